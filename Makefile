@@ -1,0 +1,29 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: install run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build of torch first, or a dependency pulls a CUDA build of several GB
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/kvfuse demo
+
+test: install
+	$(VENV)/bin/ruff check kvfuse tests benchmarks
+	$(VENV)/bin/mypy kvfuse
+	$(VENV)/bin/pytest -q
+
+bench: install
+	$(PY) benchmarks/engine_ttft.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,388 @@
+"""The engine: build a request's KV cache in one of four modes, then decode. Token ids only.
+
+A request is  prefix | chunks | suffix:
+- the prefix is cacheable as a prefix: its full blocks are stored under chained block hashes;
+- each chunk is cacheable on its own, computed behind a fixed preamble (BOS) that is part of its key;
+- the suffix (the question) is never cached.
+
+Modes:  full    prefill everything (the oracle);
+        prefix  reuse the longest cached prefix of prefix+chunks and prefill the rest (equals full);
+        reuse   exact prefix, re-rotated chunk caches as they are, prefill the suffix;
+        blend   reuse, then CacheBlend's selective recompute (see fuse.py).
+
+TTFT is measured here, from the moment a request enters `stream` to the moment its first token is
+chosen; it covers cache lookups, loads, any chunk computed on a miss, fusion and sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvfuse import fuse
+from kvfuse.kv import KVCache
+from kvfuse.model import Decoder
+from kvfuse.rope import rerotate
+from kvfuse.sampling import SamplingParams, sample
+from kvfuse.store.keys import chunk_key, prefix_block_hashes, root_hash
+from kvfuse.store.memory import MemoryTier
+
+log = logging.getLogger(__name__)
+
+MODES = ("full", "prefix", "reuse", "blend")
+BLOCK_SIZE = 16
+SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|
+
+
+class RequestError(ValueError):
+    """The request cannot be run as given; the message says what to change."""
+
+
+class ModeUnavailableError(RuntimeError):
+    """This model failed the load-time self-check, so chunk reuse (reuse, blend) is refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    suffix: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
+    chunks: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def ids(self) -> list[int]:
+        out = list(self.prefix)
+        for c in self.chunks:
+            out.extend(c)
+        return out + list(self.suffix)
+
+    def __len__(self) -> int:
+        return len(self.prefix) + sum(len(c) for c in self.chunks) + len(self.suffix)
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    """prompt = prefilled + reused. recomputed counts reused tokens recomputed, in full-layer equivalents."""
+
+    prompt: int = 0
+    prefilled: int = 0
+    reused: int = 0
+    recomputed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    fused: fuse.Fused
+    counts: TokenCounts
+    mode: str
+    ratio: float | None
+    writeback: list[Callable[[], None]] = field(default_factory=list)  # store writes to run after TTFT
+
+
+@dataclass(slots=True)
+class Generation:
+    tokens: list[int]
+    ttft_s: float
+    total_s: float
+    counts: TokenCounts
+    first_logits: torch.Tensor  # (vocab,) float32
+    finish_reason: str  # "stop" (EOS or stop id) or "length"
+    mode: str
+    ratio: float | None
+
+    def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
+        """The k most likely first tokens as (token_id, logprob)."""
+        lp = torch.log_softmax(self.first_logits.float(), -1)
+        top = torch.topk(lp, k)
+        return [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+
+
+class TokenStream:
+    """Iterates a request's generated token ids; `result` is set once iteration ends. `close()` cancels."""
+
+    def __init__(self, gen: Iterator[int]) -> None:
+        self._gen = gen
+        self.result: Generation | None = None
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()  # type: ignore[attr-defined]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Decoder,
+        fingerprint: str,
+        store: MemoryTier | None = None,
+        preamble: Sequence[int] | None = None,
+        block_size: int = BLOCK_SIZE,
+        kv_dtype: torch.dtype = torch.float32,
+        self_check: bool = True,
+        rotate: fuse.Rerotate = rerotate,
+    ) -> None:
+        self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
+        self.store = store if store is not None else MemoryTier()
+        bos = self.cfg.bos_token_id
+        self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else ((bos,) if bos is not None else ())
+        self.block_size = block_size
+        self.kv_dtype = kv_dtype
+        self._rotate = rotate
+        self.blend_error: str | None = self.self_check() if self_check else None
+        if self.blend_error:
+            log.warning("%s", self.blend_error)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **kwargs: object) -> Engine:
+        """Load a checkpoint (default: Gemma 3 270M) and run the self-check."""
+        from kvfuse.weights import load_model
+
+        loaded = load_model(path)
+        return cls(loaded.model, loaded.fingerprint, **kwargs)  # type: ignore[arg-type]
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def self_check(self) -> str | None:
+        """Blend at ratio 1.0 must reproduce full prefill on a short probe; returns an error or None."""
+        g = torch.Generator().manual_seed(0)
+        vocab = self.cfg.vocab_size
+        rand = lambda n: tuple(int(x) for x in torch.randint(min(4, vocab - 1), vocab, (n,), generator=g))  # noqa: E731
+        req = Request(prefix=self.preamble + rand(3), chunks=(rand(9), rand(12), rand(7)), suffix=rand(4))
+        full = fuse.prefill(self.model, torch.tensor(req.ids)).logits
+        prefix = fuse.prefill(self.model, torch.tensor(req.prefix)).cache
+        caches = [fuse.precompute_chunk(self.model, self.preamble, c) for c in req.chunks]
+        ids = [torch.tensor(c) for c in req.chunks]
+        blended = fuse.blend(self.model, prefix, caches, ids, torch.tensor(req.suffix), 1.0, rotate=self._rotate).logits
+        err = float((blended - full).abs().max() / full.abs().max().clamp_min(1.0))
+        if err > SELF_CHECK_TOLERANCE:
+            return (
+                f"self-check failed: blend at ratio 1.0 differs from full prefill by {err:.2e} (relative, "
+                f"tolerance {SELF_CHECK_TOLERANCE:.0e}) on this model, so modes 'reuse' and 'blend' are "
+                "disabled; use 'full' or 'prefix'"
+            )
+        return None
+
+    def validate(self, req: Request, mode: str, ratio: float | None = None, max_tokens: int = 0) -> None:
+        if mode not in MODES:
+            raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode in ("reuse", "blend") and self.blend_error:
+            raise ModeUnavailableError(self.blend_error)
+        if not req.suffix:
+            raise RequestError("the request needs a non-empty suffix (the question)")
+        if any(len(c) == 0 for c in req.chunks):
+            raise RequestError("empty chunks are not allowed; drop them from the request")
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise RequestError(f"ratio must be between 0 and 1, got {ratio}")
+        limit = self.cfg.max_position_embeddings
+        if len(req) + max_tokens > limit:
+            raise RequestError(
+                f"the prompt has {len(req)} tokens and asks for {max_tokens} more, but the model's context "
+                f"window is {limit} tokens; shorten the context or lower max_tokens"
+            )
+        bad = [t for t in req.ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary of {self.cfg.vocab_size}")
+
+    # -- caches ------------------------------------------------------------------------------------
+
+    def _root(self) -> str:
+        return root_hash(self.fingerprint, self.kv_dtype)
+
+    def _cached_prefix(self, tokens: Sequence[int]) -> KVCache | None:
+        """The longest run of cached full blocks at the start of tokens, concatenated."""
+        blocks = []
+        for h in prefix_block_hashes(self._root(), tokens, self.block_size):
+            c = self.store.get(h)
+            if c is None:
+                break
+            blocks.append(c)
+        if not blocks:
+            return None
+        return KVCache.concat(blocks).to(self.model.embed_tokens.weight.dtype)
+
+    def _store_prefix(self, tokens: Sequence[int], cache: KVCache) -> None:
+        """Store every full block of tokens not yet in the store (cache covers at least tokens)."""
+        bs = self.block_size
+        for j, h in enumerate(prefix_block_hashes(self._root(), tokens, bs)):
+            if h not in self.store:
+                self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone())
+
+    def _exact_prefix(self, tokens: Sequence[int]) -> tuple[KVCache, int]:
+        """The exact KV of a prefix: cached blocks plus a prefill of the rest. Returns (cache, reused tokens)."""
+        hit = self._cached_prefix(tokens)
+        n_hit = len(hit) if hit is not None else 0
+        if n_hit == len(tokens):
+            return (hit if hit is not None else KVCache.empty(self.cfg)), n_hit
+        rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
+        return fuse.prefill(self.model, rest, past=hit).cache, n_hit
+
+    def _chunk(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
+        key = chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
+        cache = self.store.get(key)
+        if cache is not None:
+            return cache, True
+        cache = fuse.precompute_chunk(self.model, self.preamble, chunk).to(self.kv_dtype)
+        self.store.put(key, cache)
+        return cache, False
+
+    @torch.inference_mode()
+    def precompute(self, req: Request, mode: str) -> float:
+        """Prepare the caches that `mode` reuses for this request; returns the seconds spent."""
+        t0 = time.perf_counter()
+        if mode == "prefix":
+            cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
+            self._precompute_prefix(cacheable)
+        elif mode in ("reuse", "blend"):
+            self._precompute_prefix(req.prefix)
+            for c in req.chunks:
+                self._chunk(c)
+        return time.perf_counter() - t0
+
+    def _precompute_prefix(self, tokens: Sequence[int]) -> None:
+        n_full = len(tokens) // self.block_size * self.block_size
+        if n_full == 0:
+            return
+        hit = self._cached_prefix(tokens)
+        if hit is not None and len(hit) == n_full:
+            return
+        cache, _ = self._exact_prefix(tokens[:n_full])
+        self._store_prefix(tokens, cache)
+
+    # -- prefill -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, mode: str = "full", ratio: float | None = None) -> Prefilled:
+        """Build the request's KV cache and first-token logits in the given mode."""
+        self.validate(req, mode, ratio)
+        model, counts = self.model, TokenCounts(prompt=len(req))
+        suffix = torch.tensor(req.suffix, dtype=torch.int64)
+        writes: list[Callable[[], None]] = []
+        if mode == "full":
+            fused = fuse.prefill(model, torch.tensor(req.ids, dtype=torch.int64))
+            counts.prefilled = len(req)
+            return Prefilled(fused, counts, mode, None)
+        if mode == "prefix":
+            cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
+            hit = self._cached_prefix(cacheable)
+            n_hit = len(hit) if hit is not None else 0
+            rest = torch.tensor(cacheable[n_hit:] + list(req.suffix), dtype=torch.int64)
+            fused = fuse.prefill(model, rest, past=hit)
+            counts.reused, counts.prefilled = n_hit, len(req) - n_hit
+            writes.append(lambda: self._store_prefix(cacheable, fused.cache))
+            return Prefilled(fused, counts, mode, None, writes)
+        prefix, n_hit = self._exact_prefix(req.prefix)
+        writes.append(lambda: self._store_prefix(req.prefix, prefix))
+        caches = [self._chunk(c)[0] for c in req.chunks]
+        n_chunk = sum(len(c) for c in req.chunks)
+        counts.reused = n_hit + n_chunk
+        counts.prefilled = len(req) - counts.reused
+        if mode == "reuse":
+            fused = fuse.reuse(model, prefix, caches, suffix, rotate=self._rotate)
+            return Prefilled(fused, counts, mode, None, writes)
+        r = fuse.DEFAULT_RATIO if ratio is None else ratio
+        ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
+        fused = fuse.blend(model, prefix, caches, ids, suffix, r, rotate=self._rotate)
+        counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
+        return Prefilled(fused, counts, mode, r, writes)
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def stream(
+        self, req: Request, mode: str = "full", ratio: float | None = None, params: SamplingParams | None = None
+    ) -> TokenStream:
+        """Generate token ids one at a time; the stream's `result` holds timings and counts at the end."""
+        params = params or SamplingParams()
+        self.validate(req, mode, ratio, params.max_tokens)
+        stream = TokenStream(iter(()))
+        stream._gen = self._generate(req, mode, ratio, params, stream)
+        return stream
+
+    def generate(
+        self, req: Request, mode: str = "full", ratio: float | None = None, params: SamplingParams | None = None
+    ) -> Generation:
+        stream = self.stream(req, mode, ratio, params)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    @torch.inference_mode()
+    def _generate(
+        self, req: Request, mode: str, ratio: float | None, params: SamplingParams, out: TokenStream
+    ) -> Iterator[int]:
+        t0 = time.perf_counter()
+        pre = self.prefill(req, mode, ratio)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
+        if params.ignore_eos:
+            stop = set()
+        first_logits = pre.fused.logits
+        tok = sample(first_logits, params, gen)
+        ttft = time.perf_counter() - t0
+        tokens = [tok]
+        finish = "length"
+        try:
+            if tok in stop:
+                finish = "stop"
+                return
+            yield tok
+            if params.max_tokens == 1:
+                return
+            decoder = _Decoder(self.model, pre.fused.cache, params.max_tokens)
+            while len(tokens) < params.max_tokens:
+                tok = sample(decoder.step(tok), params, gen)
+                tokens.append(tok)
+                if tok in stop:
+                    finish = "stop"
+                    return
+                yield tok
+        finally:
+            for write in pre.writeback:
+                write()
+            if finish == "stop":
+                tokens.pop()  # the stop token is not part of the output
+            out.result = Generation(
+                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio
+            )
+
+
+class _Decoder:
+    """Incremental decoding over a preallocated copy of the prompt's cache."""
+
+    def __init__(self, model: Decoder, cache: KVCache, max_new: int) -> None:
+        cfg = model.cfg
+        self.model, self.n = model, len(cache)
+        cap = self.n + max_new
+        shape = (cfg.num_layers, cfg.num_kv_heads, cap, cfg.head_dim)  # (layers, kv_heads, T, head_dim)
+        self.k = torch.empty(shape, dtype=cache.k.dtype)
+        self.v = torch.empty(shape, dtype=cache.v.dtype)
+        self.k[:, :, : self.n], self.v[:, :, : self.n] = cache.k, cache.v
+        self.pos = torch.arange(cap)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token at the next position; returns the next-token logits (vocab,)."""
+        m, n = self.model, self.n
+        h = m.embed(torch.tensor([token]))
+        p = self.pos[n : n + 1]
+        for i in range(m.cfg.num_layers):
+            q, k, v = m.project(i, h, p)
+            self.k[i, :, n : n + 1], self.v[i, :, n : n + 1] = k, v
+            w = m.cfg.window(i)
+            lo = max(0, n + 1 - w) if w is not None else 0
+            a = m.attend(i, q, p, self.k[i, :, lo : n + 1], self.v[i, :, lo : n + 1], self.pos[lo : n + 1])
+            h = m.finish(i, h, a)
+        self.n += 1
+        return m.logits(h)[0]

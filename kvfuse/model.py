@@ -1,0 +1,237 @@
+"""A compact decoder for Llama, Mistral, Qwen2, Qwen3 and Gemma 3, with a per-layer API.
+
+Everything works on one unbatched sequence. Shapes:
+    h      (T, hidden)         hidden states of T tokens
+    q      (heads, T, head_dim)
+    k, v   (kv_heads, T, head_dim)   keys are stored already rotated to their positions
+    pos    (T,) int64          absolute positions; attention masks are built from positions, so a
+                               query may sit anywhere among the keys (that is what blend needs)
+
+A layer is  h = h + attn(norm(h));  h = h + mlp(norm(h))  (Gemma adds a norm after each branch).
+It is split into `project` (norm, q/k/v, qk-norm, RoPE), `attend` and `finish` (output projection and
+MLP), so a caller can run the attention of a subset of tokens against any set of keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfuse.config import ModelConfig
+from kvfuse.rope import apply_rope, rope_cos_sin
+
+
+ATTN_BLOCK = 256  # queries per attention block for long prefills
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weight_offset: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) - weight_offset)
+        self.eps, self.offset = eps, weight_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (self.offset + self.weight.float())).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm()  # Llama: the pre-MLP norm; Gemma: after attention
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = MLP(cfg)
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Exact causal mask (Tq, Tk) from positions: a query sees keys at or before it, within the window."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    mask = dist >= 0
+    if window is not None:
+        mask &= dist < window
+    return mask
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # -- per-layer API ---------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (T,) -> hidden states (T, hidden)."""
+        h = self.embed_tokens(ids)
+        return h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.embed_scale != 1.0 else h
+
+    def project(
+        self, i: int, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos."""
+        cfg, blk = self.cfg, self.layers[i]
+        attn = blk.self_attn
+        x = blk.input_layernorm(h)
+        t = h.shape[0]
+        q = attn.q_proj(x).view(t, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = attn.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        if cfg.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = rope if rope is not None else rope_cos_sin(pos, cfg.head_dim, cfg.rope(i))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(
+        self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of queries at q_pos over keys at k_pos under the exact causal (and window) mask -> (Tq, heads*D).
+
+        Both position vectors must be ascending. Long query sets run in blocks of ATTN_BLOCK queries,
+        each against only the keys its mask can reach, so a sliding layer costs O(T * window).
+        """
+        cfg = self.cfg
+        window = cfg.window(i)
+        if cfg.attn_softcap is not None:
+            out = _softcapped_attention(q, k, v, attention_mask(q_pos, k_pos, window), cfg)
+        elif q.shape[1] == k.shape[1] and window is None and torch.equal(q_pos, k_pos):
+            # plain causal prefill: SDPA's causal kernel skips the masked half itself
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=cfg.query_scale, enable_gqa=True
+            )[0]
+        else:
+            parts = []
+            for s, e in _query_blocks(q_pos, window):
+                qp = q_pos[s:e]
+                lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window is not None else 0
+                hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+                mask = attention_mask(qp, k_pos[lo:hi], window)
+                parts.append(
+                    F.scaled_dot_product_attention(
+                        q[None, :, s:e],
+                        k[None, :, lo:hi],
+                        v[None, :, lo:hi],
+                        attn_mask=mask[None, None],
+                        scale=cfg.query_scale,
+                        enable_gqa=True,
+                    )[0]
+                )
+            out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
+
+    def finish(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP of layer i for the tokens whose attention output is given."""
+        blk = self.layers[i]
+        o = blk.self_attn.o_proj(attn_out)
+        if self.cfg.sandwich_norm:
+            h = h + blk.post_attention_layernorm(o)
+            return h + blk.post_feedforward_layernorm(blk.mlp(blk.pre_feedforward_layernorm(h)))
+        h = h + o
+        return h + blk.mlp(blk.post_attention_layernorm(h))
+
+    def layer(
+        self,
+        i: int,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        past_k: torch.Tensor | None = None,
+        past_v: torch.Tensor | None = None,
+        past_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One full layer for new tokens h at pos after cached keys; returns (h_out, k_new, v_new)."""
+        q, k, v = self.project(i, h, pos)
+        if past_k is not None and past_k.shape[1]:
+            assert past_v is not None and past_pos is not None
+            keys, values, k_pos = torch.cat((past_k, k), 1), torch.cat((past_v, v), 1), torch.cat((past_pos, pos))
+        else:
+            keys, values, k_pos = k, v, pos
+        return self.finish(i, h, self.attend(i, q, pos, keys, values, k_pos)), k, v
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: (T, hidden) -> (T, vocab) in float32."""
+        w = self.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        out = F.linear(self.norm(h), w).float()
+        if self.cfg.final_softcap is not None:
+            out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
+        return out
+
+    # -- the naive path ----------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (T, vocab) of a full forward pass, optionally under a custom (T, T) boolean mask."""
+        pos = torch.arange(ids.shape[0])
+        h = self.embed(ids)
+        for i in range(self.cfg.num_layers):
+            q, k, v = self.project(i, h, pos)
+            if mask is None:
+                a = self.attend(i, q, pos, k, v, pos)
+            else:
+                m = mask & attention_mask(pos, pos, self.cfg.window(i))
+                a = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=m[None, None], scale=self.cfg.query_scale, enable_gqa=True
+                )[0]
+                a = a.transpose(0, 1).reshape(ids.shape[0], -1)
+            h = self.finish(i, h, a)
+        return self.logits(h)
+
+
+def _query_blocks(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
+    """Split ascending query positions into blocks of at most ATTN_BLOCK queries; on a sliding layer a
+    block also spans at most `window` positions, so sparse queries (blend) touch few keys each."""
+    n = q_pos.shape[0]
+    if window is None or n == 0 or int(q_pos[-1] - q_pos[0]) < window:
+        return [(s, min(n, s + ATTN_BLOCK)) for s in range(0, n, ATTN_BLOCK)]
+    ends = torch.searchsorted(q_pos, q_pos + window).tolist()  # first query out of each one's span
+    blocks, s = [], 0
+    while s < n:
+        e = min(n, s + ATTN_BLOCK, ends[s])
+        blocks.append((s, e))
+        s = e
+    return blocks
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cfg: ModelConfig
+) -> torch.Tensor:
+    groups = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    assert cfg.attn_softcap is not None
+    scores = (q @ k.transpose(1, 2)) * cfg.query_scale
+    scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v

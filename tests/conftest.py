@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import FAMILIES, make_checkpoint  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """family -> (checkpoint dir, the HF reference model) for tiny random configs."""
+    out = {}
+    for fam in FAMILIES:
+        root = tmp_path_factory.mktemp(fam)
+        out[fam] = (root, make_checkpoint(fam, root))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_models):  # type: ignore[no-untyped-def]
+    from kvfuse.engine import Engine
+    from kvfuse.weights import load_model
+
+    engines = {}
+    for fam, (root, _) in tiny_models.items():
+        lm = load_model(root)
+        engines[fam] = Engine(lm.model, lm.fingerprint)
+    return engines
+
+
+def rand_ids(n: int, seed: int, vocab: int = 128, low: int = 3) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(int(x) for x in torch.randint(low, vocab, (n,), generator=g))

@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfuse import fuse
+from kvfuse.weights import load_model
+from tiny import FAMILIES
+
+from conftest import rand_ids
+
+
+def _t(ids) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.int64)
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    diff = (a - b).abs()
+    scale = b.abs().max().clamp_min(1.0)
+    assert float(diff.max() / scale) < tol, f"{what}: max diff {diff.max():.3e}, mean diff {diff.mean():.3e}"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models):  # type: ignore[no-untyped-def]
+    return {f: load_model(tiny_models[f][0]).model for f in FAMILIES}
+
+
+def _layout(seed: int = 0):  # type: ignore[no-untyped-def]
+    # BOS, a short head, three chunks and a question; long enough to cross the tiny sliding windows
+    prefix = (1,) + rand_ids(4, seed)
+    chunks = [rand_ids(n, seed + i + 1) for i, n in enumerate((9, 14, 6))]
+    suffix = rand_ids(5, seed + 9)
+    return prefix, chunks, suffix
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_equals_full(models, family: str) -> None:
+    m = models[family]
+    ids = _t(rand_ids(40, 1))
+    full = fuse.prefill(m, ids)
+    for cut in (1, 16, 39):
+        part = fuse.prefill(m, ids[cut:], past=fuse.prefill(m, ids[:cut]).cache)
+        _assert_close(part.logits, full.logits, f"{family} prefix cut {cut} logits")
+        _assert_close(part.cache.k, full.cache.k, f"{family} prefix cut {cut} keys")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blend_at_ratio_one_equals_full(models, family: str) -> None:
+    m = models[family]
+    prefix, chunks, suffix = _layout()
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]  # computed at offset 1, so re-rotated
+    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 1.0)
+    _assert_close(out.logits, full.logits, f"{family} blend@1 logits")
+    _assert_close(out.cache.k, full.cache.k, f"{family} blend@1 keys")
+    _assert_close(out.cache.v, full.cache.v, f"{family} blend@1 values")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reuse_equals_block_diagonal_oracle(models, family: str) -> None:
+    """Chunks precomputed at their final offsets (no re-rotation) match a full pass in which each
+    chunk sees only the preamble and itself."""
+    m = models[family]
+    prefix, chunks, suffix = _layout(5)
+    ids = _t(prefix + sum(chunks, ()) + suffix)
+    n = len(ids)
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    at, caches = len(prefix), []
+    for c in chunks:
+        mask[at : at + len(c), 1:at] = False  # a chunk sees the preamble (BOS at 0) and itself only
+        caches.append(fuse.precompute_chunk(m, (1,), c, start=at))
+        at += len(c)
+    oracle = m(ids, mask=mask)
+    out = fuse.reuse(m, fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix))
+    _assert_close(out.logits, oracle[-1], f"{family} reuse vs block-diagonal oracle")
+    assert float((out.logits - fuse.prefill(m, ids).logits).abs().max()) > 1e-4  # reuse is not full
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 40), n=st.integers(0, 5000), ratio=st.floats(0.0, 1.0), m=st.integers(1, 6))
+def test_keep_schedule_shrinks_to_ratio(layers: int, n: int, ratio: float, m: int) -> None:
+    keep = fuse.keep_schedule(layers, n, ratio, m)
+    assert len(keep) == layers and keep[0] == n
+    assert all(a >= b for a, b in zip(keep, keep[1:]))
+    if layers > m:
+        assert keep[-1] == min(n, math.ceil(ratio * n - 1e-9))
+
+
+def test_keep_schedule_rejects_bad_ratio() -> None:
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        fuse.keep_schedule(4, 10, 1.5)
+
+
+def test_blend_selection_only_shrinks_and_counts(models) -> None:
+    m = models["qwen3"]
+    prefix, chunks, suffix = _layout(3)
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 0.3)
+    n = sum(len(c) for c in chunks)
+    sizes = [len(s) for s in out.selected]
+    assert sizes == fuse.keep_schedule(m.cfg.num_layers, n, 0.3)
+    for a, b in zip(out.selected, out.selected[1:]):
+        assert set(b.tolist()) <= set(a.tolist())
+    assert out.recomputed_token_layers == sum(sizes)
+
+
+def test_blend_picks_the_highest_deviation_tokens(models) -> None:
+    """Make one chunk token's cached KV badly wrong: the first filtering layer must recompute it."""
+    m = models["llama"]
+    prefix, chunks, suffix = _layout(4)
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    caches[1].k[1, :, 3] += 50.0  # layer 1, chunk 1, token 3
+    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 0.1)
+    assert len(chunks[0]) + 3 in out.selected[1].tolist()
+
+
+def test_kv_deviation_is_zero_for_identical_kv() -> None:
+    k, v = torch.randn(2, 7, 8), torch.randn(2, 7, 8)
+    assert torch.all(fuse.kv_deviation(k, v, k, v) == 0)
+    k2 = k.clone()
+    k2[:, 4] += 1
+    assert int(fuse.kv_deviation(k2, v, k, v).argmax()) == 4

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+
+from kvfuse.config import ModelConfig, UnsupportedModelError
+from kvfuse.weights import CheckpointError, load_model
+from tiny import FAMILIES
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_hf(tiny_models, family: str) -> None:
+    root, hf = tiny_models[family]
+    model = load_model(root).model
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, ref = model(ids[0]), hf(ids).logits[0]
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-4, f"{family}: max relative logit difference {rel:.2e}"
+
+
+def test_family_flags_come_from_config(tiny_models) -> None:
+    cfgs = {f: load_model(tiny_models[f][0]).model.cfg for f in FAMILIES}
+    assert cfgs["gemma3"].qk_norm and cfgs["gemma3"].sandwich_norm and cfgs["gemma3"].embed_scale == 8.0
+    assert cfgs["gemma3"].layer_types == ("sliding", "full", "sliding", "full")
+    assert cfgs["gemma3"].rope(0).base == 10000.0 and cfgs["gemma3"].rope(1).base == 1000000.0
+    assert cfgs["qwen3"].qk_norm and not cfgs["qwen3"].qkv_bias
+    assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].qk_norm
+    assert cfgs["mistral"].window(0) == 7
+    assert cfgs["llama"].rope(0).kind == "llama3"
+
+
+def test_old_style_configs_parse() -> None:
+    gemma = ModelConfig.from_hf_config({
+        "model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "query_pre_attn_scalar": 8, "sliding_window": 4, "sliding_window_pattern": 6, "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    })
+    assert gemma.layer_types == ("sliding",) * 5 + ("full",)
+    assert gemma.rope(5) .kind == "linear" and gemma.rope(5).factor == 8.0 and gemma.rope(0).kind == "default"
+    llama = ModelConfig.from_hf_config({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "rope_theta": 5e5,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    })
+    assert llama.rope(0).kind == "llama3" and llama.rope(0).base == 5e5 and llama.num_kv_heads == 2
+
+
+def test_unsupported_family_and_rope_are_refused() -> None:
+    base = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2}
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelConfig.from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+
+
+def test_broken_checkpoints_get_clear_errors(tmp_path, tiny_models) -> None:
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_model(tmp_path)
+    root, _ = tiny_models["llama"]
+    (tmp_path / "config.json").write_text((root / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_model(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(root / "model.safetensors"))
+    state.pop("model.norm.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="norm.weight"):
+        load_model(tmp_path)
+
+
+def test_fingerprint_differs_between_checkpoints(tiny_models) -> None:
+    fps = {load_model(tiny_models[f][0]).fingerprint for f in FAMILIES}
+    assert len(fps) == len(FAMILIES)
+    cfg = json.loads((tiny_models["llama"][0] / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
