@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 LayerType = Literal["full", "sliding"]
 
@@ -137,17 +137,17 @@ class ModelConfig:
 def _layer_types(hf: dict[str, Any], model_type: str, n_layers: int) -> tuple[LayerType, ...]:
     names = hf.get("layer_types")
     if names:
-        return tuple("sliding" if t == "sliding_attention" else "full" for t in names)
+        return tuple(cast(LayerType, "sliding" if t == "sliding_attention" else "full") for t in names)
     window = hf.get("sliding_window")
     if model_type == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+        return tuple(cast(LayerType, "full" if (i + 1) % pattern == 0 else "sliding") for i in range(n_layers))
     if model_type == "mistral" and window:
-        return ("sliding",) * n_layers
+        return cast(tuple[LayerType, ...], ("sliding",) * n_layers)
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
         first = hf.get("max_window_layers", n_layers)
-        return tuple("sliding" if i >= first else "full" for i in range(n_layers))
-    return ("full",) * n_layers
+        return tuple(cast(LayerType, "sliding" if i >= first else "full") for i in range(n_layers))
+    return cast(tuple[LayerType, ...], ("full",) * n_layers)
 
 
 def _rope_spec(params: dict[str, Any] | None, base: float) -> RopeSpec:

@@ -29,7 +29,7 @@ from kvfuse.kv import KVCache
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 from kvfuse.sampling import SamplingParams, sample
-from kvfuse.store.keys import chunk_key, prefix_block_hashes, root_hash
+from kvfuse.store.keys import BlockHash, chunk_key, prefix_block_hashes, root_hash
 from kvfuse.store.memory import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Generation:
         """The k most likely first tokens as (token_id, logprob)."""
         lp = torch.log_softmax(self.first_logits.float(), -1)
         top = torch.topk(lp, k)
-        return [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+        return [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=False)]
 
 
 class TokenStream:
@@ -136,7 +136,8 @@ class Engine:
         self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
         self.store = store if store is not None else MemoryTier()
         bos = self.cfg.bos_token_id
-        self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else ((bos,) if bos is not None else ())
+        default_preamble = (bos,) if bos is not None else ()
+        self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self._rotate = rotate
@@ -167,6 +168,18 @@ class Engine:
         ids = [torch.tensor(c) for c in req.chunks]
         blended = fuse.blend(self.model, prefix, caches, ids, torch.tensor(req.suffix), 1.0, rotate=self._rotate).logits
         err = float((blended - full).abs().max() / full.abs().max().clamp_min(1.0))
+        # Blend at 1.0 overwrites every reused key, so check the move separately: a layer-0 key
+        # depends on its token alone, so a re-rotated one must equal one computed at the target.
+        chunk, target = caches[1], torch.arange(40, 40 + len(caches[1]))
+        moved = self._rotate(chunk.k[0], chunk.positions, target, self.cfg.head_dim, self.cfg.rope(0))
+        _, direct, _ = self.model.project(0, self.model.embed(ids[1]), target)
+        rot_err = float((moved - direct).abs().max() / direct.abs().max().clamp_min(1e-6))
+        if rot_err > SELF_CHECK_TOLERANCE:
+            return (
+                f"self-check failed: re-rotated keys differ from keys computed at their new positions by "
+                f"{rot_err:.2e} (relative) on this model, so modes 'reuse' and 'blend' are disabled; "
+                "use 'full' or 'prefix'"
+            )
         if err > SELF_CHECK_TOLERANCE:
             return (
                 f"self-check failed: blend at ratio 1.0 differs from full prefill by {err:.2e} (relative, "
@@ -198,7 +211,7 @@ class Engine:
 
     # -- caches ------------------------------------------------------------------------------------
 
-    def _root(self) -> str:
+    def _root(self) -> BlockHash:
         return root_hash(self.fingerprint, self.kv_dtype)
 
     def _cached_prefix(self, tokens: Sequence[int]) -> KVCache | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.config import ModelConfig
+from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.kv import KVCache
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
@@ -46,7 +46,7 @@ from kvfuse.rope import rerotate
 DEFAULT_RATIO = 0.15
 DEFAULT_FILTER_LAYERS = 2
 
-Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "object"], torch.Tensor]
+Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -182,7 +182,7 @@ def blend(
 ) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     cfg = model.cfg
-    if len(chunks) != len(chunk_ids) or any(len(c) != len(t) for c, t in zip(chunks, chunk_ids)):
+    if len(chunks) != len(chunk_ids) or any(len(c) != len(t) for c, t in zip(chunks, chunk_ids, strict=False)):
         raise ValueError("every chunk cache needs its token ids, of the same length")
     if suffix.numel() == 0:
         raise ValueError("blend needs a non-empty suffix")

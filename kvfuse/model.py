@@ -14,13 +14,14 @@ MLP), so a caller can run the attention of a subset of tokens against any set of
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvfuse.config import ModelConfig
 from kvfuse.rope import apply_rope, rope_cos_sin
-
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
 
@@ -45,9 +46,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset) if cfg.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -69,9 +69,8 @@ class Block(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = norm()  # Llama: the pre-MLP norm; Gemma: after attention
-        if cfg.sandwich_norm:
-            self.pre_feedforward_layernorm = norm()
-            self.post_feedforward_layernorm = norm()
+        self.pre_feedforward_layernorm: RMSNorm | None = norm() if cfg.sandwich_norm else None
+        self.post_feedforward_layernorm: RMSNorm | None = norm() if cfg.sandwich_norm else None
         self.mlp = MLP(cfg)
 
 
@@ -96,6 +95,9 @@ class Decoder(nn.Module):
 
     # -- per-layer API ---------------------------------------------------------------------------
 
+    def block(self, i: int) -> Block:
+        return cast(Block, self.layers[i])
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (T,) -> hidden states (T, hidden)."""
         h = self.embed_tokens(ids)
@@ -105,14 +107,14 @@ class Decoder(nn.Module):
         self, i: int, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos."""
-        cfg, blk = self.cfg, self.layers[i]
+        cfg, blk = self.cfg, self.block(i)
         attn = blk.self_attn
         x = blk.input_layernorm(h)
         t = h.shape[0]
         q = attn.q_proj(x).view(t, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = attn.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = attn.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        if cfg.qk_norm:
+        if attn.q_norm is not None and attn.k_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = rope if rope is not None else rope_cos_sin(pos, cfg.head_dim, cfg.rope(i))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -156,9 +158,9 @@ class Decoder(nn.Module):
 
     def finish(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP of layer i for the tokens whose attention output is given."""
-        blk = self.layers[i]
+        blk = self.block(i)
         o = blk.self_attn.o_proj(attn_out)
-        if self.cfg.sandwich_norm:
+        if blk.pre_feedforward_layernorm is not None and blk.post_feedforward_layernorm is not None:
             h = h + blk.post_attention_layernorm(o)
             return h + blk.post_feedforward_layernorm(blk.mlp(blk.pre_feedforward_layernorm(h)))
         h = h + o

@@ -52,7 +52,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
-def rerotate(k: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec) -> torch.Tensor:
+def rerotate(
+    k: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec
+) -> torch.Tensor:
     """Move keys k (..., T, D) that were rotated at from_pos (T,) to to_pos (T,)."""
     delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
     if not bool(delta.any()):

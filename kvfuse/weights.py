@@ -147,7 +147,7 @@ def convert_gguf_package(dest: Path) -> None:
         # transformers refuses to save a model that still carries the GGUF quantization config
         if hasattr(hf.config, "quantization_config"):
             del hf.config.quantization_config
-        hf.hf_quantizer = None
+        hf.hf_quantizer = None  # type: ignore[assignment]
         out = Path(tmp) / "checkpoint"
         hf.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)

@@ -2,14 +2,13 @@ import math
 
 import pytest
 import torch
+from conftest import rand_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import FAMILIES
 
 from kvfuse import fuse
 from kvfuse.weights import load_model
-from tiny import FAMILIES
-
-from conftest import rand_ids
 
 
 def _t(ids) -> torch.Tensor:
@@ -83,7 +82,7 @@ def test_reuse_equals_block_diagonal_oracle(models, family: str) -> None:
 def test_keep_schedule_shrinks_to_ratio(layers: int, n: int, ratio: float, m: int) -> None:
     keep = fuse.keep_schedule(layers, n, ratio, m)
     assert len(keep) == layers and keep[0] == n
-    assert all(a >= b for a, b in zip(keep, keep[1:]))
+    assert all(a >= b for a, b in zip(keep, keep[1:], strict=False))
     if layers > m:
         assert keep[-1] == min(n, math.ceil(ratio * n - 1e-9))
 
@@ -101,7 +100,7 @@ def test_blend_selection_only_shrinks_and_counts(models) -> None:
     n = sum(len(c) for c in chunks)
     sizes = [len(s) for s in out.selected]
     assert sizes == fuse.keep_schedule(m.cfg.num_layers, n, 0.3)
-    for a, b in zip(out.selected, out.selected[1:]):
+    for a, b in zip(out.selected, out.selected[1:], strict=False):
         assert set(b.tolist()) <= set(a.tolist())
     assert out.recomputed_token_layers == sum(sizes)
 

@@ -2,10 +2,10 @@ import json
 
 import pytest
 import torch
+from tiny import FAMILIES
 
 from kvfuse.config import ModelConfig, UnsupportedModelError
 from kvfuse.weights import CheckpointError, load_model
-from tiny import FAMILIES
 
 
 @pytest.mark.parametrize("family", FAMILIES)

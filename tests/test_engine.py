@@ -1,0 +1,165 @@
+import pytest
+import torch
+from conftest import rand_ids
+
+from kvfuse import fuse
+from kvfuse.engine import Engine, ModeUnavailableError, Request, RequestError
+from kvfuse.sampling import SamplingParams, sample
+from kvfuse.weights import load_model
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _request(seed: int = 0) -> Request:
+    return Request(
+        prefix=(1,) + rand_ids(19, seed),
+        chunks=(rand_ids(15, seed + 1), rand_ids(22, seed + 2), rand_ids(9, seed + 3)),
+        suffix=rand_ids(5, seed + 4),
+    )
+
+
+def naive_greedy(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The oracle: a full forward pass over everything so far, for every new token."""
+    out = []
+    for _ in range(n):
+        out.append(int(model(torch.tensor(ids + out))[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
+def test_full_decoding_matches_naive_generate(tiny_engines, family: str) -> None:
+    e = tiny_engines[family]
+    req = _request(1)
+    got = e.generate(req, "full", params=GREEDY).tokens
+    with torch.inference_mode():
+        assert got == naive_greedy(e.model, req.ids, 10)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+def test_prefix_and_blend_at_one_generate_like_full(tiny_engines, family: str) -> None:
+    e = tiny_engines[family]
+    req = _request(2)
+    full = e.generate(req, "full", params=GREEDY)
+    for mode, ratio in (("prefix", None), ("prefix", None), ("blend", 1.0)):
+        e.precompute(req, mode)
+        out = e.generate(req, mode, ratio, GREEDY)
+        assert out.tokens == full.tokens, mode
+        diff = (out.first_logits - full.first_logits).abs().max()
+        assert diff < 1e-4, f"{mode}: first-token logits differ by {diff:.2e}"
+
+
+def test_token_accounting(tiny_engines) -> None:
+    e = tiny_engines["gemma3"]
+    req = _request(3)
+    assert e.generate(req, "full", params=GREEDY).counts.as_dict() == {
+        "prompt": 71, "prefilled": 71, "reused": 0, "recomputed": 0}
+    e.precompute(req, "prefix")
+    c = e.generate(req, "prefix", params=GREEDY).counts
+    assert (c.prompt, c.reused, c.prefilled) == (71, 64, 7)  # 4 full blocks of 16 before the question
+    e.precompute(req, "blend")
+    c = e.generate(req, "blend", 0.5, GREEDY).counts
+    assert c.reused == 16 + 46 and c.prefilled == 71 - 62  # one cached head block + every chunk token
+    sched = fuse.keep_schedule(e.cfg.num_layers, 46, 0.5)
+    assert c.recomputed == round(sum(sched) / e.cfg.num_layers)
+
+
+def test_precompute_then_hit(tiny_engines) -> None:
+    e = tiny_engines["qwen2"]
+    req = _request(4)
+    assert e.precompute(req, "blend") > 0
+    hits = e.store.stats.hits
+    e.prefill(req, "blend", 0.15)
+    assert e.store.stats.hits >= hits + 3  # every chunk (and the head block) came from the store
+
+
+def test_chunks_in_any_order_and_duplicates(tiny_engines) -> None:
+    e = tiny_engines["llama"]
+    a, b = rand_ids(12, 50), rand_ids(17, 51)
+    head, q = (1,) + rand_ids(3, 52), rand_ids(4, 53)
+    for chunks in ((a, b), (b, a), (a, a, b)):
+        req = Request(prefix=head, chunks=chunks, suffix=q)
+        full = e.prefill(req, "full").fused.logits
+        blended = e.prefill(req, "blend", 1.0).fused.logits
+        assert float((blended - full).abs().max()) < 1e-4
+
+
+def test_sampling_is_seeded_and_top_p_limits_choices() -> None:
+    logits = torch.tensor([5.0, 4.9, 0.0, -1.0])
+    p = SamplingParams(temperature=1.0, top_p=0.5, seed=0)
+    picks = {sample(logits, p, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert picks == {0}  # token 0 alone holds half the mass
+    p2 = SamplingParams(temperature=1.0, top_p=0.9)
+    picks = {sample(logits, p2, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert picks == {0, 1}
+    assert sample(logits, SamplingParams()) == 0
+
+
+def test_seeded_generation_repeats(tiny_engines) -> None:
+    e = tiny_engines["gemma3"]
+    p = SamplingParams(max_tokens=8, temperature=1.2, top_p=0.95, seed=7, ignore_eos=True)
+    req = _request(5)
+    assert e.generate(req, "full", params=p).tokens == e.generate(req, "full", params=p).tokens
+
+
+def test_stop_tokens_end_generation(tiny_engines) -> None:
+    e = tiny_engines["gemma3"]
+    req = _request(6)
+    toks = e.generate(req, "full", params=GREEDY).tokens
+    stop_at = toks[3]
+    out = e.generate(req, "full", params=SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))
+    assert out.finish_reason == "stop" and out.tokens == toks[: toks.index(stop_at)]
+    assert e.generate(req, "full", params=GREEDY).finish_reason == "length"
+
+
+def test_stream_yields_tokens_and_records_ttft(tiny_engines) -> None:
+    e = tiny_engines["gemma3"]
+    stream = e.stream(_request(7), "full", None, GREEDY)
+    first = next(stream)
+    stream.close()  # a client that goes away cancels the rest
+    assert stream.result is not None and stream.result.tokens[0] == first
+    assert 0 < stream.result.ttft_s <= stream.result.total_s
+    top = stream.result.first_token_top(20)
+    assert len(top) == 20 and top[0][0] == first and all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
+
+
+def test_bad_requests_get_clear_errors(tiny_engines) -> None:
+    e = tiny_engines["llama"]
+    with pytest.raises(RequestError, match="unknown mode 'fast'"):
+        e.prefill(_request(), "fast")
+    with pytest.raises(RequestError, match="ratio must be between 0 and 1"):
+        e.prefill(_request(), "blend", 1.5)
+    with pytest.raises(RequestError, match="context window is 512"):
+        e.prefill(Request(prefix=(1,) * 600, suffix=(5,)), "full")
+    with pytest.raises(RequestError, match="non-empty suffix"):
+        e.prefill(Request(prefix=(1, 2), suffix=()), "full")
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        e.prefill(Request(suffix=(500,)), "full")
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_failed_self_check_refuses_reuse_and_blend(tiny_models) -> None:
+    root, _ = tiny_models["gemma3"]
+    lm = load_model(root)
+    broken = lambda k, a, b, d, spec: k  # noqa: E731 - "forgets" to re-rotate moved keys
+    e = Engine(lm.model, lm.fingerprint, rotate=broken)
+    assert e.blend_error and "self-check failed" in e.blend_error
+    for mode in ("reuse", "blend"):
+        with pytest.raises(ModeUnavailableError, match="use 'full' or 'prefix'"):
+            e.prefill(_request(), mode)
+    e.prefill(_request(), "prefix")  # the exact modes still work
+
+
+def test_self_check_catches_a_blend_that_is_not_exact(tiny_models, monkeypatch) -> None:
+    root, _ = tiny_models["llama"]
+    lm = load_model(root)
+    real = fuse.blend
+
+    def off_by_a_bit(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        out.logits = out.logits + 0.5
+        return out
+
+    monkeypatch.setattr(fuse, "blend", off_by_a_bit)
+    e = Engine(lm.model, lm.fingerprint)
+    assert e.blend_error and "blend at ratio 1.0 differs from full" in e.blend_error

@@ -1,0 +1,52 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfuse.text import Prompt, complete_text, stream_text
+
+
+class CharTokenizer:
+    """One token per character (id = code point + 10); 2 is BOS."""
+
+    bos_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) + 10 for c in text]
+
+    def decode(self, ids) -> str:  # type: ignore[no-untyped-def]
+        return "".join(chr(i - 10) for i in ids if i >= 10)
+
+
+TOK = CharTokenizer()
+
+
+def test_prompt_layout_is_deterministic_and_segmented() -> None:
+    p = Prompt(head="H\n", prefix_text=" policy ", chunks=("alpha", "beta "), question=" why? ")
+    req = p.request(TOK)  # type: ignore[arg-type]
+    assert req.prefix[0] == 2 and TOK.decode(req.prefix) == "H\npolicy\n\n"
+    assert [TOK.decode(c) for c in req.chunks] == ["alpha\n\n", "beta\n\n"]
+    assert TOK.decode(req.suffix) == "Question: why?\nAnswer:"
+    assert p.request(TOK) == req  # type: ignore[arg-type]
+    flat = p.request(TOK, prefix_mode=True)  # type: ignore[arg-type]
+    assert flat.chunks == () and flat.ids == req.ids
+
+
+def test_stream_stops_at_stop_string_and_closes_the_source() -> None:
+    closed = []
+
+    def source():  # type: ignore[no-untyped-def]
+        try:
+            yield from TOK.encode("Paris\nQuestion: more")
+        finally:
+            closed.append(True)
+
+    assert complete_text(source(), TOK, ["\n"]) == "Paris"  # type: ignore[arg-type]
+    assert closed == [True]
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet="ab\nQ:", max_size=30), stop=st.sampled_from(["\n", "Q:", "ab\n", "bb"]))
+def test_streamed_text_equals_cut_text(text: str, stop: str) -> None:
+    deltas = list(stream_text(TOK.encode(text), TOK, [stop]))  # type: ignore[arg-type]
+    cut = text.find(stop)
+    assert "".join(deltas) == (text if cut < 0 else text[:cut])
+    assert all(deltas)
