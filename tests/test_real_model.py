@@ -1,0 +1,110 @@
+"""The real default model (Gemma 3 270M): marked slow, and CI runs them."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import SHARED
+from kvfuse.engine import Engine
+from kvfuse.text import Prompt, Tokenizer
+from kvfuse.weights import resolve_model_path
+
+pytestmark = pytest.mark.slow
+MUSIQUE = SHARED / "data" / "musique_dev.json"
+
+
+@pytest.fixture(scope="module")
+def real():  # type: ignore[no-untyped-def]
+    path = resolve_model_path(None)
+    return Engine.load(path), Tokenizer(path), path
+
+
+def _cases() -> list[dict]:
+    return json.loads(MUSIQUE.read_text())
+
+
+def _request(tok: Tokenizer, case: dict, n_passages: int):  # type: ignore[no-untyped-def]
+    return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"]).request(tok)
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) of next-token distributions."""
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def test_real_logits_match_hf(real) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    engine, tok, path = real
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor(_request(tok, _cases()[0], 2).ids[:700])  # longer than the 512-token window
+    with torch.inference_mode():
+        ours, ref = engine.model(ids), hf(ids[None]).logits[0]
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-4, f"max relative logit difference {rel:.2e}"
+
+
+def test_real_prefix_and_blend_at_one_equal_full(real) -> None:  # type: ignore[no-untyped-def]
+    engine, tok, _ = real
+    req = _request(tok, _cases()[1], 3)
+    full = engine.prefill(req, "full").fused.logits
+    for mode, ratio in (("prefix", None), ("blend", 1.0)):
+        engine.precompute(req, mode)
+        got = engine.prefill(req, mode, ratio).fused.logits
+        rel = float((got - full).abs().max() / full.abs().max())
+        assert rel < 1e-4, f"{mode}: max relative difference {rel:.2e}, mean {(got - full).abs().mean():.2e}"
+
+
+def test_real_blend_is_closer_to_full_than_reuse(real) -> None:  # type: ignore[no-untyped-def]
+    engine, tok, _ = real
+    kl_reuse, kl_blend = [], []
+    for case in _cases()[2:5]:
+        req = _request(tok, case, 4)
+        full = engine.prefill(req, "full").fused.logits
+        engine.precompute(req, "blend")
+        kl_reuse.append(_kl(full, engine.prefill(req, "reuse").fused.logits))
+        kl_blend.append(_kl(full, engine.prefill(req, "blend", 0.15).fused.logits))
+    assert sum(kl_blend) < sum(kl_reuse), f"blend KL {kl_blend} vs reuse KL {kl_reuse}"
+    assert sum(b < r for b, r in zip(kl_blend, kl_reuse, strict=True)) >= 2
+
+
+def test_cli_generate_json_in_every_mode(real, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.cli import main
+
+    case = _cases()[0]
+    files = []
+    for i, c in enumerate(case["ctxs"][:3]):
+        f = tmp_path / f"chunk{i}.txt"
+        f.write_text(c["text"])
+        files += ["--chunk-file", str(f)]
+    prefix = tmp_path / "prefix.txt"
+    prefix.write_text("Passages follow.")
+    outs = {}
+    for mode, ratio in (("full", []), ("prefix", []), ("reuse", []), ("blend", ["--ratio", "1.0"]), ("blend", [])):
+        argv = ["generate", "--prefix-file", str(prefix), *files, "--question", case["question"], "--mode", mode,
+                *ratio, "--max-tokens", "8", "--json"]
+        assert main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert set(out) == {"answer", "mode", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top"}
+        assert set(out["tokens"]) == {"prompt", "prefilled", "reused", "recomputed"}
+        assert len(out["first_token_top"]) == 20 and out["ttft_s"] > 0
+        assert out["tokens"]["prompt"] == out["tokens"]["prefilled"] + out["tokens"]["reused"]
+        outs[(mode, tuple(ratio))] = out
+    full = outs[("full", ())]
+    assert full["precompute_s"] == 0 and full["tokens"]["reused"] == 0
+    assert outs[("prefix", ())]["answer"] == full["answer"] and outs[("prefix", ())]["tokens"]["reused"] > 0
+    assert outs[("blend", ("--ratio", "1.0"))]["answer"] == full["answer"]
+    assert outs[("blend", ())]["ratio"] == 0.15 and 0 < outs[("blend", ())]["tokens"]["recomputed"]
+    assert full["first_token_top"][0][0] == outs[("prefix", ())]["first_token_top"][0][0]
+
+
+def test_cli_rejects_bad_input(real, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--question", "q", "--ratio", "2"])
+    assert e.value.code == 2 and "between 0 and 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="cannot read --chunk-file /nonexistent"):
+        main(["generate", "--question", "q", "--chunk-file", "/nonexistent"])
