@@ -163,10 +163,11 @@ class Engine:
         rand = lambda n: tuple(int(x) for x in torch.randint(min(4, vocab - 1), vocab, (n,), generator=g))  # noqa: E731
         req = Request(prefix=self.preamble + rand(3), chunks=(rand(9), rand(12), rand(7)), suffix=rand(4))
         full = fuse.prefill(self.model, torch.tensor(req.ids)).logits
-        prefix = fuse.prefill(self.model, torch.tensor(req.prefix)).cache
+        prefix = fuse.prefill(self.model, torch.tensor(req.prefix[:2])).cache  # the rest is computed as a tail
         caches = [fuse.precompute_chunk(self.model, self.preamble, c) for c in req.chunks]
         ids = [torch.tensor(c) for c in req.chunks]
-        blended = fuse.blend(self.model, prefix, caches, ids, torch.tensor(req.suffix), 1.0, rotate=self._rotate).logits
+        blended = fuse.blend(self.model, prefix, caches, ids, torch.tensor(req.suffix), 1.0,
+                             prefix_tail=torch.tensor(req.prefix[2:]), rotate=self._rotate).logits
         err = float((blended - full).abs().max() / full.abs().max().clamp_min(1.0))
         # Blend at 1.0 overwrites every reused key, so check the move separately: a layer-0 key
         # depends on its token alone, so a re-rotated one must equal one computed at the target.
@@ -214,17 +215,16 @@ class Engine:
     def _root(self) -> BlockHash:
         return root_hash(self.fingerprint, self.kv_dtype)
 
-    def _cached_prefix(self, tokens: Sequence[int]) -> KVCache | None:
-        """The longest run of cached full blocks at the start of tokens, concatenated."""
+    def _cached_prefix(self, tokens: Sequence[int]) -> list[KVCache]:
+        """The longest run of cached full blocks at the start of tokens, in order."""
         blocks = []
+        dtype = self.model.embed_tokens.weight.dtype
         for h in prefix_block_hashes(self._root(), tokens, self.block_size):
             c = self.store.get(h)
             if c is None:
                 break
-            blocks.append(c)
-        if not blocks:
-            return None
-        return KVCache.concat(blocks).to(self.model.embed_tokens.weight.dtype)
+            blocks.append(c.to(dtype))
+        return blocks
 
     def _store_prefix(self, tokens: Sequence[int], cache: KVCache) -> None:
         """Store every full block of tokens not yet in the store (cache covers at least tokens)."""
@@ -233,14 +233,14 @@ class Engine:
             if h not in self.store:
                 self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone())
 
-    def _exact_prefix(self, tokens: Sequence[int]) -> tuple[KVCache, int]:
-        """The exact KV of a prefix: cached blocks plus a prefill of the rest. Returns (cache, reused tokens)."""
+    def _exact_prefix(self, tokens: Sequence[int]) -> KVCache:
+        """The exact KV of a prefix: cached blocks plus a prefill of the rest."""
         hit = self._cached_prefix(tokens)
-        n_hit = len(hit) if hit is not None else 0
+        n_hit = len(hit) * self.block_size
         if n_hit == len(tokens):
-            return (hit if hit is not None else KVCache.empty(self.cfg)), n_hit
+            return KVCache.concat(hit) if hit else KVCache.empty(self.cfg)
         rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
-        return fuse.prefill(self.model, rest, past=hit).cache, n_hit
+        return fuse.prefill(self.model, rest, past=hit).cache
 
     def _chunk(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
         key = chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
@@ -270,11 +270,9 @@ class Engine:
         n_full = len(tokens) // self.block_size * self.block_size
         if n_full == 0:
             return
-        hit = self._cached_prefix(tokens)
-        if hit is not None and len(hit) == n_full:
+        if len(self._cached_prefix(tokens)) * self.block_size == n_full:
             return
-        cache, _ = self._exact_prefix(tokens[:n_full])
-        self._store_prefix(tokens, cache)
+        self._store_prefix(tokens, self._exact_prefix(tokens[:n_full]))
 
     # -- prefill -----------------------------------------------------------------------------------
 
@@ -292,25 +290,28 @@ class Engine:
         if mode == "prefix":
             cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
             hit = self._cached_prefix(cacheable)
-            n_hit = len(hit) if hit is not None else 0
+            n_hit = len(hit) * self.block_size
             rest = torch.tensor(cacheable[n_hit:] + list(req.suffix), dtype=torch.int64)
             fused = fuse.prefill(model, rest, past=hit)
             counts.reused, counts.prefilled = n_hit, len(req) - n_hit
             writes.append(lambda: self._store_prefix(cacheable, fused.cache))
             return Prefilled(fused, counts, mode, None, writes)
-        prefix, n_hit = self._exact_prefix(req.prefix)
-        writes.append(lambda: self._store_prefix(req.prefix, prefix))
+        # reuse and blend: cached prefix blocks, the prefix's uncached tail computed with the suffix
+        hit = self._cached_prefix(req.prefix)
+        n_hit = len(hit) * self.block_size
+        tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
         caches = [self._chunk(c)[0] for c in req.chunks]
-        n_chunk = sum(len(c) for c in req.chunks)
-        counts.reused = n_hit + n_chunk
+        counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
         if mode == "reuse":
-            fused = fuse.reuse(model, prefix, caches, suffix, rotate=self._rotate)
-            return Prefilled(fused, counts, mode, None, writes)
-        r = fuse.DEFAULT_RATIO if ratio is None else ratio
-        ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
-        fused = fuse.blend(model, prefix, caches, ids, suffix, r, rotate=self._rotate)
-        counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
+            fused = fuse.reuse(model, hit, caches, suffix, tail, rotate=self._rotate)
+            r = None
+        else:
+            r = fuse.DEFAULT_RATIO if ratio is None else ratio
+            ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
+            fused = fuse.blend(model, hit, caches, ids, suffix, r, prefix_tail=tail, rotate=self._rotate)
+            counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
+        writes.append(lambda: self._store_prefix(req.prefix, fused.cache))
         return Prefilled(fused, counts, mode, r, writes)
 
     # -- decoding ----------------------------------------------------------------------------------

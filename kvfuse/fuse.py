@@ -76,18 +76,27 @@ def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     return h[-1:]
 
 
-def prefill(model: Decoder, ids: torch.Tensor, past: KVCache | None = None) -> Fused:
-    """Full prefill of ids after an optional exact past cache (positions 0..len(past)-1)."""
+def prefill(model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache] | None = None) -> Fused:
+    """Full prefill of ids after an optional exact past cache (positions 0..len(past)-1).
+
+    `past` may be given in pieces (prefix blocks, say); they are copied straight into the new buffer."""
     if ids.numel() == 0:
         raise ValueError("prefill needs at least one new token")
-    start = len(past) if past is not None else 0
+    parts = [past] if isinstance(past, KVCache) else list(past or [])
+    start = sum(len(c) for c in parts)
     end = start + ids.shape[0]
-    dtype = past.dtype if past is not None else model.embed_tokens.weight.dtype
-    k_buf, v_buf = _buffers(model.cfg, end, dtype)
-    if past is not None:
-        k_buf[:, :, :start], v_buf[:, :, :start] = past.k, past.v
+    k_buf, v_buf = _buffers(model.cfg, end, model.embed_tokens.weight.dtype)
+    _copy_in(parts, k_buf, v_buf)
     h = _run(model, ids, k_buf, v_buf, start)
     return Fused(KVCache(k_buf, v_buf, torch.arange(end)), model.logits(h)[0])
+
+
+def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor) -> int:
+    at = 0
+    for c in parts:
+        k_buf[:, :, at : at + len(c)], v_buf[:, :, at : at + len(c)] = c.k, c.v
+        at += len(c)
+    return at
 
 
 def precompute_chunk(
@@ -135,18 +144,16 @@ def _place_layer(
 
 
 def reuse(
-    model: Decoder, prefix: KVCache, chunks: Sequence[KVCache], suffix: torch.Tensor, rotate: Rerotate = rerotate
+    model: Decoder,
+    prefix: KVCache | Sequence[KVCache],
+    chunks: Sequence[KVCache],
+    suffix: torch.Tensor,
+    prefix_tail: torch.Tensor | None = None,
+    rotate: Rerotate = rerotate,
 ) -> Fused:
     """Full KV reuse: prefix and re-rotated chunk caches as they are, then prefill only the suffix."""
-    cfg = model.cfg
-    p = len(prefix)
-    n = p + sum(len(c) for c in chunks)
-    k_buf, v_buf = _buffers(cfg, n + suffix.shape[0], prefix.dtype)
-    k_buf[:, :, :p], v_buf[:, :, :p] = prefix.k, prefix.v
-    for i in range(cfg.num_layers):
-        _place_layer(cfg, i, chunks, p, k_buf[i], v_buf[i], rotate)
-    h = _run(model, suffix, k_buf, v_buf, n)
-    return Fused(KVCache(k_buf, v_buf, torch.arange(n + suffix.shape[0])), model.logits(h)[0])
+    keep = [0] * model.cfg.num_layers
+    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate)
 
 
 def keep_schedule(num_layers: int, n: int, ratio: float, filter_layers: int = DEFAULT_FILTER_LAYERS) -> list[int]:
@@ -172,50 +179,77 @@ def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, 
 
 def blend(
     model: Decoder,
-    prefix: KVCache,
+    prefix: KVCache | Sequence[KVCache],
     chunks: Sequence[KVCache],
     chunk_ids: Sequence[torch.Tensor],
     suffix: torch.Tensor,
     ratio: float = DEFAULT_RATIO,
     filter_layers: int = DEFAULT_FILTER_LAYERS,
+    prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
 ) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
-    cfg = model.cfg
-    if len(chunks) != len(chunk_ids) or any(len(c) != len(t) for c, t in zip(chunks, chunk_ids, strict=False)):
-        raise ValueError("every chunk cache needs its token ids, of the same length")
-    if suffix.numel() == 0:
-        raise ValueError("blend needs a non-empty suffix")
-    p = len(prefix)
     n_c = sum(len(c) for c in chunks)
-    n = p + n_c
-    total = n + suffix.shape[0]
-    k_buf, v_buf = _buffers(cfg, total, prefix.dtype)
-    k_buf[:, :, :p], v_buf[:, :, :p] = prefix.k, prefix.v
-    pos_all = torch.arange(total)
-    keep = keep_schedule(cfg.num_layers, n_c, ratio, filter_layers)
+    keep = keep_schedule(model.cfg.num_layers, n_c, ratio, filter_layers)
+    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate)
 
-    # Rows being computed: the candidate chunk tokens (indices into the chunk span), then the suffix.
-    cand = torch.arange(n_c)
-    suffix_rows = torch.arange(n, total)
-    ids = torch.cat([*chunk_ids, suffix]) if n_c else suffix
-    h = model.embed(ids)
+
+def fuse_chunks(
+    model: Decoder,
+    prefix: KVCache | Sequence[KVCache],
+    chunks: Sequence[KVCache],
+    chunk_ids: Sequence[torch.Tensor],
+    suffix: torch.Tensor,
+    keep: Sequence[int],
+    prefix_tail: torch.Tensor | None = None,
+    rotate: Rerotate = rerotate,
+) -> Fused:
+    """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
+
+    The prefix is an exact cache; prefix_tail (the uncached end of the prefix) and the suffix are
+    computed on every layer; on layer l the keep[l] chunk tokens of highest KV deviation among the
+    previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids)."""
+    cfg = model.cfg
+    if suffix.numel() == 0:
+        raise ValueError("fusing chunks needs a non-empty suffix")
+    n_c = sum(len(c) for c in chunks)
+    if keep[0] and [len(c) for c in chunks] != [len(t) for t in chunk_ids]:
+        raise ValueError("every chunk cache needs its token ids, of the same length")
+    tail = prefix_tail if prefix_tail is not None else torch.empty(0, dtype=torch.int64)
+    parts = [prefix] if isinstance(prefix, KVCache) else list(prefix)
+    p = sum(len(c) for c in parts)
+    start = p + tail.shape[0]  # where the chunks begin
+    n = start + n_c
+    total = n + suffix.shape[0]
+    k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype)
+    _copy_in(parts, k_buf, v_buf)
+    pos_all = torch.arange(total)
+
+    # Rows of h: the prefix tail, the candidate chunk tokens (as indices into the chunk span), the suffix.
+    cand = torch.arange(n_c) if keep[0] else torch.empty(0, dtype=torch.int64)
+    fixed_lo, fixed_hi = torch.arange(p, start), torch.arange(n, total)
+    n_lo = fixed_lo.shape[0]
+    h = model.embed(torch.cat([tail, *(chunk_ids if keep[0] else []), suffix]))
     selected: list[torch.Tensor] = []
     recomputed = 0
     for i in range(cfg.num_layers):
-        _place_layer(cfg, i, chunks, p, k_buf[i], v_buf[i], rotate)
-        rows = torch.cat((cand + p, suffix_rows))  # absolute positions of the rows in h
-        q, k, v = model.project(i, h, rows)
         nc = cand.shape[0]
-        if keep[i] < nc:
-            dev = kv_deviation(k[:, :nc], v[:, :nc], k_buf[i][:, cand + p], v_buf[i][:, cand + p])
+        if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
+            _place_layer(cfg, i, chunks, start, k_buf[i], v_buf[i], rotate)
+        rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
+        if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
+            k, v = model.key_value(i, h, rows)
+            span = slice(n_lo, n_lo + nc)
+            dev = kv_deviation(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
             top = torch.topk(dev, keep[i]).indices.sort().values
+            sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
+            h = h[sel]
+            q = model.query(i, h, rows[sel])
         else:
-            top = torch.arange(nc)
-        k_buf[i][:, rows], v_buf[i][:, rows] = k, v
-        sel = torch.cat((top, torch.arange(nc, nc + suffix.shape[0])))
-        a = model.attend(i, q[:, sel], rows[sel], k_buf[i], v_buf[i], pos_all)
-        h = model.finish(i, h[sel], a)
+            top, sel = torch.arange(nc), torch.arange(rows.shape[0])
+            q, k, v = model.project(i, h, rows)
+        k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
+        h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i], v_buf[i], pos_all))
         cand = cand[top]
         selected.append(cand)
         recomputed += int(cand.shape[0])

@@ -103,21 +103,34 @@ class Decoder(nn.Module):
         h = self.embed_tokens(ids)
         return h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.embed_scale != 1.0 else h
 
-    def project(
-        self, i: int, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos."""
-        cfg, blk = self.cfg, self.block(i)
-        attn = blk.self_attn
-        x = blk.input_layernorm(h)
-        t = h.shape[0]
-        q = attn.q_proj(x).view(t, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        if attn.q_norm is not None and attn.k_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = rope if rope is not None else rope_cos_sin(pos, cfg.head_dim, cfg.rope(i))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        x = self.block(i).input_layernorm(h)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+        return (self._query(i, x, cos, sin), *self._key_value(i, x, cos, sin))
+
+    def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's q alone (blend computes keys for more tokens than it runs queries for)."""
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+        return self._query(i, self.block(i).input_layernorm(h), cos, sin)
+
+    def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's k and v alone."""
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+        return self._key_value(i, self.block(i).input_layernorm(h), cos, sin)
+
+    def _query(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg, attn = self.cfg, self.block(i).self_attn
+        q = attn.q_proj(x).view(x.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        return apply_rope(attn.q_norm(q) if attn.q_norm is not None else q, cos, sin)
+
+    def _key_value(
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, attn = self.cfg, self.block(i).self_attn
+        k = attn.k_proj(x).view(x.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(x.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        return apply_rope(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin), v
 
     def attend(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor
@@ -214,11 +227,11 @@ class Decoder(nn.Module):
 
 def _query_blocks(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
     """Split ascending query positions into blocks of at most ATTN_BLOCK queries; on a sliding layer a
-    block also spans at most `window` positions, so sparse queries (blend) touch few keys each."""
+    block also spans at most ATTN_BLOCK positions, so sparse queries (blend) read about window keys each."""
     n = q_pos.shape[0]
-    if window is None or n == 0 or int(q_pos[-1] - q_pos[0]) < window:
+    if window is None or n == 0 or int(q_pos[-1] - q_pos[0]) < ATTN_BLOCK:
         return [(s, min(n, s + ATTN_BLOCK)) for s in range(0, n, ATTN_BLOCK)]
-    ends = torch.searchsorted(q_pos, q_pos + window).tolist()  # first query out of each one's span
+    ends = torch.searchsorted(q_pos, q_pos + ATTN_BLOCK).tolist()  # first query out of each one's span
     blocks, s = [], 0
     while s < n:
         e = min(n, s + ATTN_BLOCK, ends[s])

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import SHARED
+
 from kvfuse.engine import Engine
 from kvfuse.text import Prompt, Tokenizer
 from kvfuse.weights import resolve_model_path

@@ -1,0 +1,159 @@
+"""Issue A benchmark: TTFT of full, prefix, reuse and blend against HF transformers, on one machine, in one run.
+
+    .venv/bin/python benchmarks/engine_ttft.py [--runs 5] [--cases 10] [--passages 6]
+
+Runs are interleaved (one of each method per round) and reported as medians, so drift in a noisy machine
+hits every method alike. Peak RSS is measured in a fresh subprocess per mode: after the model is loaded
+and the chunk caches are in the memory store, the kernel's peak-RSS counter is reset (clear_refs 5) and
+read back (VmHWM) once the request's first token is out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"
+
+
+def load(n_passages: int, case_index: int = 0):  # type: ignore[no-untyped-def]
+    from kvfuse.engine import Engine
+    from kvfuse.text import Prompt, Tokenizer
+    from kvfuse.weights import resolve_model_path
+
+    path = resolve_model_path(None)
+    engine, tok = Engine.load(path), Tokenizer(path)
+    cases = json.loads(MUSIQUE.read_text())
+    return engine, tok, path, cases
+
+
+def prompt_for(case: dict, n_passages: int):  # type: ignore[no-untyped-def]
+    from kvfuse.text import Prompt
+
+    return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"])
+
+
+def ttft(engine, req, mode: str, ratio: float | None = None) -> float:  # type: ignore[no-untyped-def]
+    from kvfuse.sampling import SamplingParams
+
+    return engine.generate(req, mode, ratio, SamplingParams(max_tokens=1)).ttft_s
+
+
+def rss_child(mode: str, n_passages: int) -> None:
+    """Print the peak RSS (bytes) of one request in `mode`, measured from a reset high-water mark."""
+    engine, tok, _, cases = load(n_passages)
+    p = prompt_for(cases[0], n_passages)
+    req = p.request(tok, prefix_mode=mode == "prefix")
+    engine.precompute(req, mode)
+    ttft(engine, req, mode, 0.15 if mode == "blend" else None)  # warm up allocations of the same shapes
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fused = engine.prefill(req, mode, 0.15 if mode == "blend" else None).fused
+    print(json.dumps({"peak": _status("VmHWM"), "baseline": baseline, "fused_bytes": fused.cache.nbytes}))
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--cases", type=int, default=10, help="cases for first-token agreement")
+    ap.add_argument("--passages", type=int, default=6)
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child, args.passages)
+        return
+
+    from transformers import AutoModelForCausalLM
+
+    engine, tok, path, cases = load(args.passages)
+    p = prompt_for(cases[0], args.passages)
+    req, req_prefix = p.request(tok), p.request(tok, prefix_mode=True)
+    print(f"prompt: {len(req)} tokens ({args.passages} MuSiQue passages + question), torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor([req.ids])
+
+    def hf_ttft() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            int(hf(ids, logits_to_keep=1).logits[0, -1].argmax())
+        return time.perf_counter() - t0
+
+    engine.precompute(req, "blend")
+    engine.precompute(req_prefix, "prefix")
+    methods = {
+        "hf_full": hf_ttft,
+        "full": lambda: ttft(engine, req, "full"),
+        "prefix": lambda: ttft(engine, req_prefix, "prefix"),
+        "reuse": lambda: ttft(engine, req, "reuse"),
+        "blend@0.15": lambda: ttft(engine, req, "blend", 0.15),
+    }
+    for f in methods.values():  # warm-up
+        f()
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for r in range(args.runs):
+        for name, f in methods.items():
+            times[name].append(f())
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    agree = {"reuse": 0, "blend@0.15": 0}
+    kl = {"reuse": [], "blend@0.15": []}
+    for case in cases[: args.cases]:
+        rq = prompt_for(case, args.passages).request(tok)
+        full = engine.prefill(rq, "full").fused.logits
+        engine.precompute(rq, "blend")
+        for name, (mode, ratio) in {"reuse": ("reuse", None), "blend@0.15": ("blend", 0.15)}.items():
+            got = engine.prefill(rq, mode, ratio).fused.logits
+            agree[name] += int(got.argmax() == full.argmax())
+            lp, lq = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
+            kl[name].append(float((lp.exp() * (lp - lq)).sum()))
+
+    rss = {}
+    for mode in ("full", "blend"):
+        out = subprocess.run([sys.executable, __file__, "--rss-child", mode, "--passages", str(args.passages)],
+                             capture_output=True, text=True, check=True)
+        rss[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    mib = 1 << 20
+    print("\n## Results")
+    print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}")
+    print(f"prompt tokens: {len(req)}; runs: {args.runs} (medians)")
+    print("| method | TTFT median (s) | vs kvfuse full | vs HF full |")
+    print("|---|---|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {v / med['full']:.3f}x | {v / med['hf_full']:.3f}x |")
+    print(f"\nfirst-token agreement with full over {args.cases} cases: "
+          + ", ".join(f"{k} {agree[k]}/{args.cases} (mean KL {statistics.mean(kl[k]):.4f})" for k in agree))
+    fb = rss["blend"]["fused_bytes"]
+    print(f"peak RSS during the request: full {rss['full']['peak'] / mib:.0f} MiB, blend {rss['blend']['peak'] / mib:.0f}"
+          f" MiB; blend - full = {(rss['blend']['peak'] - rss['full']['peak']) / mib:.0f} MiB; fused cache "
+          f"{fb / mib:.0f} MiB")
+    checks = {
+        "blend@0.15 <= 0.30x full": med["blend@0.15"] <= 0.30 * med["full"],
+        "full <= 1.1x HF full": med["full"] <= 1.1 * med["hf_full"],
+        "prefix <= 0.05x full": med["prefix"] <= 0.05 * med["full"],
+        "blend peak RSS <= full peak + fused cache": rss["blend"]["peak"] <= rss["full"]["peak"] + fb,
+    }
+    for k, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}: {k}")
+
+
+if __name__ == "__main__":
+    main()
