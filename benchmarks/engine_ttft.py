@@ -27,7 +27,7 @@ MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"
 
 def load(n_passages: int, case_index: int = 0):  # type: ignore[no-untyped-def]
     from kvfuse.engine import Engine
-    from kvfuse.text import Prompt, Tokenizer
+    from kvfuse.text import Tokenizer
     from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
@@ -142,9 +142,9 @@ def main() -> None:
     print(f"\nfirst-token agreement with full over {args.cases} cases: "
           + ", ".join(f"{k} {agree[k]}/{args.cases} (mean KL {statistics.mean(kl[k]):.4f})" for k in agree))
     fb = rss["blend"]["fused_bytes"]
-    print(f"peak RSS during the request: full {rss['full']['peak'] / mib:.0f} MiB, blend {rss['blend']['peak'] / mib:.0f}"
-          f" MiB; blend - full = {(rss['blend']['peak'] - rss['full']['peak']) / mib:.0f} MiB; fused cache "
-          f"{fb / mib:.0f} MiB")
+    full_peak, blend_peak = rss["full"]["peak"], rss["blend"]["peak"]
+    print(f"peak RSS during the request: full {full_peak / mib:.0f} MiB, blend {blend_peak / mib:.0f} MiB; "
+          f"blend - full = {(blend_peak - full_peak) / mib:.0f} MiB; fused cache {fb / mib:.0f} MiB")
     checks = {
         "blend@0.15 <= 0.30x full": med["blend@0.15"] <= 0.30 * med["full"],
         "full <= 1.1x HF full": med["full"] <= 1.1 * med["hf_full"],

@@ -46,25 +46,59 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: newline)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _store_flags(g)
+
+    pc = sub.add_parser("precompute", help="compute chunk caches into the store ahead of time")
+    pc.add_argument("--model", default=None)
+    pc.add_argument("--chunk-file", action="append", required=True, help="a chunk's text file (repeatable)")
+    _store_flags(pc)
+
+    st = sub.add_parser("store", help="inspect or manage a KV store directory")
+    st.add_argument("action", choices=["stats", "verify", "clear"])
+    st.add_argument("--store", default=None, help="store directory (default: the user cache dir)")
 
     d = sub.add_parser("demo", help="answer a bundled question with full and blend, and compare TTFT")
     d.add_argument("--model", default=None)
     return p
 
 
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
+    p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp32", help="dtype of stored KV caches")
+
+
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _store_dir(args: argparse.Namespace) -> Path | None:
+    from kvfuse.weights import cache_dir
+
+    if getattr(args, "no_store", False):
+        return None
+    return Path(args.store) if args.store else cache_dir() / "store"
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from kvfuse.engine import Engine
+
+    dtype = getattr(torch, KV_DTYPES[args.kv_dtype])
+    return Engine.load(args.model, store_dir=_store_dir(args), kv_dtype=dtype)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return cmd_generate(args)
-    if args.command == "demo":
-        return cmd_demo(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store}
+    return commands[args.command](args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvfuse.engine import Engine, ModeUnavailableError, RequestError
+    from kvfuse.engine import ModeUnavailableError, RequestError
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import DEFAULT_STOP, Prompt, Tokenizer, complete_text
+    from kvfuse.weights import resolve_model_path
 
     prompt = Prompt(
         prefix_text=_read(args.prefix_file, "--prefix-file") if args.prefix_file else None,
@@ -77,8 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"kvfuse: {e}") from None
-    engine = Engine.load(args.model)
-    tok = Tokenizer(engine_path(engine, args.model))
+    engine = _load_engine(args)
+    tok = Tokenizer(resolve_model_path(args.model))
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
         precompute_s = engine.precompute(req, args.mode)
@@ -86,6 +120,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         answer = complete_text(stream, tok, args.stop or DEFAULT_STOP).strip()
     except (RequestError, ModeUnavailableError) as e:
         raise SystemExit(f"kvfuse: {e}") from None
+    finally:
+        engine.store.flush()  # written back to disk before the process ends
     result = stream.result
     assert result is not None
     out: dict[str, Any] = {
@@ -96,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "precompute_s": round(precompute_s, 6),
         "tokens": result.counts.as_dict(),
         "first_token_top": [[i, round(lp, 6)] for i, lp in result.first_token_top(20)],
+        "store": result.store.as_dict(),
     }
     if args.json:
         print(json.dumps(out))
@@ -105,10 +142,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_path(engine: Any, model: str | None) -> Path:
+def cmd_precompute(args: argparse.Namespace) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from kvfuse.text import Prompt, Tokenizer
     from kvfuse.weights import resolve_model_path
 
-    return resolve_model_path(model)
+    texts = [_read(f, "--chunk-file") for f in args.chunk_file]
+    engine = _load_engine(args)
+    tok = Tokenizer(resolve_model_path(args.model))
+    req = Prompt(chunks=tuple(texts), question="-").request(tok)
+    t0, computed = time.perf_counter(), 0
+    for chunk in tqdm(req.chunks, desc="precomputing chunk caches", unit="chunk"):
+        computed += int(not engine.chunk_cache(chunk)[1])
+    engine.store.flush()
+    print(json.dumps({"chunks": len(req.chunks), "computed": computed, "already_cached": len(req.chunks) - computed,
+                      "seconds": round(time.perf_counter() - t0, 3), "store": str(_store_dir(args))}))
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from kvfuse.store import DiskTier
+
+    root = _store_dir(args)
+    assert root is not None
+    if not root.is_dir() and args.action != "clear":
+        raise SystemExit(f"kvfuse: no store at {root}; pass --store DIR")
+    tier = DiskTier(root)
+    if args.action == "stats":
+        out: dict[str, Any] = {"store": str(root), "entries": len(tier), "bytes": tier.used_bytes,
+                               "capacity_bytes": tier.capacity_bytes}
+    elif args.action == "verify":
+        results = list(tier.verify())
+        bad = [{"key": k, "error": e} for k, e in results if e]
+        out = {"store": str(root), "checked": len(results), "ok": len(results) - len(bad), "corrupt": bad}
+    else:
+        out = {"store": str(root), "removed": tier.clear()}
+    print(json.dumps(out))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 from kvfuse.sampling import SamplingParams, sample
 from kvfuse.store.keys import BlockHash, chunk_key, prefix_block_hashes, root_hash
-from kvfuse.store.memory import MemoryTier
+from kvfuse.store.tiered import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class Generation:
     finish_reason: str  # "stop" (EOS or stop id) or "length"
     mode: str
     ratio: float | None
+    store: StoreStats = field(default_factory=StoreStats)  # this request's lookups
 
     def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
         """The k most likely first tokens as (token_id, logprob)."""
@@ -126,7 +127,7 @@ class Engine:
         self,
         model: Decoder,
         fingerprint: str,
-        store: MemoryTier | None = None,
+        store: TieredStore | None = None,
         preamble: Sequence[int] | None = None,
         block_size: int = BLOCK_SIZE,
         kv_dtype: torch.dtype = torch.float32,
@@ -134,7 +135,7 @@ class Engine:
         rotate: fuse.Rerotate = rerotate,
     ) -> None:
         self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
-        self.store = store if store is not None else MemoryTier()
+        self.store = store if store is not None else TieredStore()
         bos = self.cfg.bos_token_id
         default_preamble = (bos,) if bos is not None else ()
         self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
@@ -146,12 +147,17 @@ class Engine:
             log.warning("%s", self.blend_error)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, **kwargs: object) -> Engine:
-        """Load a checkpoint (default: Gemma 3 270M) and run the self-check."""
+    def load(
+        cls, path: str | Path | None = None, store_dir: str | Path | None = None, **kwargs: object
+    ) -> Engine:
+        """Load a checkpoint (default: Gemma 3 270M), open its store (memory, plus disk at store_dir)
+        and run the self-check."""
+        from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
         loaded = load_model(path)
-        return cls(loaded.model, loaded.fingerprint, **kwargs)  # type: ignore[arg-type]
+        store = open_store(store_dir, loaded.fingerprint)
+        return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -242,7 +248,8 @@ class Engine:
         rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
         return fuse.prefill(self.model, rest, past=hit).cache
 
-    def _chunk(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
+    def chunk_cache(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
+        """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
         key = chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
         cache = self.store.get(key)
         if cache is not None:
@@ -263,7 +270,7 @@ class Engine:
         elif mode in ("reuse", "blend"):
             self._precompute_prefix(req.prefix)
             for c in req.chunks:
-                self._chunk(c)
+                self.chunk_cache(c)
         return time.perf_counter() - t0
 
     def _precompute_prefix(self, tokens: Sequence[int]) -> None:
@@ -300,7 +307,7 @@ class Engine:
         hit = self._cached_prefix(req.prefix)
         n_hit = len(hit) * self.block_size
         tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
-        caches = [self._chunk(c)[0] for c in req.chunks]
+        caches = [self.chunk_cache(c)[0] for c in req.chunks]
         counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
         if mode == "reuse":
@@ -340,7 +347,9 @@ class Engine:
         self, req: Request, mode: str, ratio: float | None, params: SamplingParams, out: TokenStream
     ) -> Iterator[int]:
         t0 = time.perf_counter()
+        before = self.store.stats.snapshot()
         pre = self.prefill(req, mode, ratio)
+        store_stats = self.store.stats.since(before)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
@@ -371,7 +380,7 @@ class Engine:
             if finish == "stop":
                 tokens.pop()  # the stop token is not part of the output
             out.result = Generation(
-                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio
+                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio, store_stats
             )
 
 

@@ -1,0 +1,316 @@
+"""The disk tier: one safetensors file per entry, written atomically, verified on every read.
+
+File `<root>/<key[:2]>/<key>.safetensors` holds tensors `k`, `v` (layers, kv_heads, T, head_dim) and
+`positions` (T,), and string metadata: the cache format version, the key, the model fingerprint, the
+dtype and a CRC32 per layer of K and of V. A read checks the metadata against the file name and the
+expected model, and each layer's CRC as that layer is read, so a flipped byte, a truncated file, a file
+renamed to another key or one written by another model is detected, dropped and counted as corrupt,
+never used. Reads can be per layer (safetensors reads a single slice), which is what pipelined loading
+uses. The index is rebuilt from the directory at start, from file headers only.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from kvfuse.kv import KVCache
+from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
+from kvfuse.store.memory import TierStats
+
+log = logging.getLogger(__name__)
+SUFFIX = ".safetensors"
+
+
+class CorruptEntryError(Exception):
+    """A stored entry failed verification; it has been removed."""
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    key: CacheKey
+    path: Path
+    nbytes: int
+    tokens: int
+    layers: int
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+class DiskTier:
+    """Entries on disk with LRU eviction by file bytes. Eviction order: least recently read or written
+    first (access time kept in the index and mirrored in file mtimes, so it survives a restart);
+    pinned entries are never evicted."""
+
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity_bytes: int = 20 << 30, model_fp: str | None = None) -> None:
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.model_fp = model_fp
+        self.stats = TierStats()
+        self.corrupt = 0
+        self._index: OrderedDict[CacheKey, EntryInfo] = OrderedDict()
+        self._pinned: set[CacheKey] = set()
+        self._lock = threading.RLock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # -- index ---------------------------------------------------------------------------------
+
+    def _path(self, key: CacheKey) -> Path:
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files on disk, oldest access first; drop stale temp files."""
+        found = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.stat()
+                info = self._read_info(path)
+            except (OSError, CorruptEntryError, ValueError):
+                self._drop_file(path)
+                continue
+            found.append((st.st_mtime_ns, info))
+        for tmp in self.root.glob("*/.tmp-*"):
+            if time.time() - tmp.stat().st_mtime > 3600:  # a writer that died long ago
+                tmp.unlink(missing_ok=True)
+        for _, info in sorted(found, key=lambda x: x[0]):
+            self._index[info.key] = info
+
+    def _read_info(self, path: Path) -> EntryInfo:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                shape = f.get_slice("k").get_shape()
+        except Exception as e:  # the safetensors header could not be parsed
+            raise CorruptEntryError(f"{path}: unreadable header ({e})") from e
+        key = meta.get("key", "")
+        if meta.get("format") != str(CACHE_FORMAT_VERSION) or path.name != f"{key}{SUFFIX}":
+            raise CorruptEntryError(f"{path}: metadata does not match the file name or format")
+        return EntryInfo(cast(CacheKey, key), path, path.stat().st_size, int(shape[2]), int(shape[0]))
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[CacheKey]:
+        return list(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(i.nbytes for i in self._index.values())
+
+    def info(self, key: CacheKey) -> EntryInfo | None:
+        return self._index.get(key)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def open(self, key: CacheKey) -> DiskEntry | None:
+        """Open an entry for per-layer reads, or None on a miss or a corrupt entry."""
+        with self._lock:
+            info = self._index.get(key)
+            if info is None:
+                self.stats.misses += 1
+                return None
+            try:
+                entry = DiskEntry(self, info)
+            except CorruptEntryError as e:
+                self._corrupt(key, str(e))
+                return None
+            self._touch(key)
+            self.stats.hits += 1
+            return entry
+
+    def get(self, key: CacheKey) -> KVCache | None:
+        """Read and verify a whole entry, or None on a miss or a corrupt entry."""
+        entry = self.open(key)
+        if entry is None:
+            return None
+        try:
+            return entry.read_all()
+        except CorruptEntryError as e:
+            self._corrupt(key, str(e))
+            self.stats.hits -= 1
+            self.stats.misses += 1
+            return None
+
+    def _touch(self, key: CacheKey) -> None:
+        self._index.move_to_end(key)
+        try:
+            os.utime(self._index[key].path)
+        except OSError:
+            pass
+
+    def _corrupt(self, key: CacheKey, why: str) -> None:
+        log.warning("dropping corrupt KV cache entry %s: %s", key[:12], why)
+        with self._lock:
+            self.corrupt += 1
+            info = self._index.pop(key, None)
+            self._pinned.discard(key)
+            if info is not None:
+                self._drop_file(info.path)
+
+    @staticmethod
+    def _drop_file(path: Path) -> None:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
+        """Write an entry atomically (temp file, fsync, rename). Returns False if it was not stored:
+        larger than the capacity, or the disk is full (ENOSPC: logged, and requests go on)."""
+        from safetensors.torch import save
+
+        k, v = cache.k.contiguous(), cache.v.contiguous()
+        meta = {
+            "format": str(CACHE_FORMAT_VERSION),
+            "key": str(key),
+            "model": self.model_fp or "",
+            "dtype": dtype_name(k.dtype),
+            "crc_k": json.dumps([_crc(k[i]) for i in range(k.shape[0])]),
+            "crc_v": json.dumps([_crc(v[i]) for i in range(v.shape[0])]),
+        }
+        data = save({"k": k, "v": v, "positions": cache.positions.contiguous()}, metadata=meta)
+        if len(data) > self.capacity_bytes:
+            return False
+        path = self._path(key)
+        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("disk tier %s is full; KV cache entry not written (requests go on)", self.root)
+                return False
+            raise
+        with self._lock:
+            info = EntryInfo(key, path, len(data), len(cache), int(k.shape[0]))
+            self._index[key] = info
+            self._index.move_to_end(key)
+            if pin:
+                self._pinned.add(key)
+            self._evict()
+        return True
+
+    def pin(self, key: CacheKey) -> None:
+        with self._lock:
+            if key in self._index:
+                self._pinned.add(key)
+
+    def unpin(self, key: CacheKey) -> None:
+        with self._lock:
+            self._pinned.discard(key)
+            self._evict()
+
+    def delete(self, key: CacheKey) -> None:
+        with self._lock:
+            info = self._index.pop(key, None)
+            self._pinned.discard(key)
+            if info is not None:
+                self._drop_file(info.path)
+
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._index)
+            for key in list(self._index):
+                self.delete(key)
+            return n
+
+    def _evict(self) -> None:
+        used = self.used_bytes
+        for key in list(self._index):
+            if used <= self.capacity_bytes:
+                return
+            if key in self._pinned:
+                continue
+            info = self._index.pop(key)
+            self._drop_file(info.path)
+            used -= info.nbytes
+            self.stats.evictions += 1
+
+    def verify(self) -> Iterator[tuple[CacheKey, str | None]]:
+        """Check every entry fully; yields (key, error or None) and drops the corrupt ones."""
+        for key in self.keys():
+            entry = self.open(key)
+            if entry is None:
+                yield key, "unreadable"
+                continue
+            try:
+                entry.read_all()
+                yield key, None
+            except CorruptEntryError as e:
+                self._corrupt(key, str(e))
+                yield key, str(e)
+
+
+class DiskEntry:
+    """An open entry: metadata verified, layers read (and CRC-checked) one at a time."""
+
+    def __init__(self, tier: DiskTier, info: EntryInfo) -> None:
+        from safetensors import safe_open
+
+        self.info = info
+        try:
+            self._f = safe_open(str(info.path), framework="pt")
+            meta = self._f.metadata() or {}
+            if meta.get("key") != info.key:
+                raise CorruptEntryError(f"{info.path.name}: holds entry {meta.get('key', '?')[:12]}, not this key")
+            if tier.model_fp and meta.get("model") != tier.model_fp:
+                raise CorruptEntryError(f"{info.path.name}: written by a different model")
+            self._crc_k = json.loads(meta["crc_k"])
+            self._crc_v = json.loads(meta["crc_v"])
+            self.positions: torch.Tensor = self._f.get_tensor("positions")
+            self._k, self._v = self._f.get_slice("k"), self._f.get_slice("v")
+            shape = self._k.get_shape()
+        except CorruptEntryError:
+            raise
+        except Exception as e:
+            raise CorruptEntryError(f"{info.path.name}: {e}") from e
+        if len(self._crc_k) != shape[0] or self.positions.shape[0] != shape[2]:
+            raise CorruptEntryError(f"{info.path.name}: shapes do not match its metadata")
+        self.layers = int(shape[0])
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i, (kv_heads, T, head_dim) each, CRC-checked."""
+        try:
+            k, v = self._k[i], self._v[i]
+        except Exception as e:  # a truncated file fails here
+            raise CorruptEntryError(f"{self.info.path.name}: layer {i} unreadable ({e})") from e
+        if _crc(k) != self._crc_k[i] or _crc(v) != self._crc_v[i]:
+            raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on layer {i}")
+        return k, v
+
+    def read_all(self) -> KVCache:
+        ks, vs = zip(*(self.layer(i) for i in range(self.layers)), strict=True)
+        return KVCache(torch.stack(ks), torch.stack(vs), self.positions)
