@@ -20,16 +20,19 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from kvfuse import fuse
 from kvfuse.kv import KVCache
+from kvfuse.loader import LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 from kvfuse.sampling import SamplingParams, sample
-from kvfuse.store.keys import BlockHash, chunk_key, prefix_block_hashes, root_hash
+from kvfuse.store.disk import CorruptEntryError
+from kvfuse.store.keys import BlockHash, ChunkKey, chunk_key, prefix_block_hashes, root_hash
 from kvfuse.store.tiered import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,7 @@ class Prefilled:
     counts: TokenCounts
     mode: str
     ratio: float | None
-    writeback: list[Callable[[], None]] = field(default_factory=list)  # store writes to run after TTFT
+    writeback: list[Callable[[], object]] = field(default_factory=list)  # store writes to run after TTFT
 
 
 @dataclass(slots=True)
@@ -141,6 +144,7 @@ class Engine:
         self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
         self.block_size = block_size
         self.kv_dtype = kv_dtype
+        self.pipelined = True  # read disk-backed chunk layers ahead of the recompute
         self._rotate = rotate
         self.blend_error: str | None = self.self_check() if self_check else None
         if self.blend_error:
@@ -248,15 +252,26 @@ class Engine:
         rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
         return fuse.prefill(self.model, rest, past=hit).cache
 
+    def _chunk_key(self, chunk: Sequence[int]) -> ChunkKey:
+        return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
+
     def chunk_cache(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
         """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
-        key = chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
+        key = self._chunk_key(chunk)
         cache = self.store.get(key)
         if cache is not None:
             return cache, True
+        return self._compute_chunk(chunk, key), False
+
+    def _chunk_source(self, chunk: Sequence[int], key: ChunkKey) -> LayerSource:
+        """A chunk's cache for layer-wise reading: from memory, lazily from disk, or computed now."""
+        source = self.store.open(key)
+        return source if source is not None else self._compute_chunk(chunk, key)
+
+    def _compute_chunk(self, chunk: Sequence[int], key: ChunkKey) -> KVCache:
         cache = fuse.precompute_chunk(self.model, self.preamble, chunk).to(self.kv_dtype)
         self.store.put(key, cache)
-        return cache, False
+        return cache
 
     @torch.inference_mode()
     def precompute(self, req: Request, mode: str) -> float:
@@ -270,7 +285,9 @@ class Engine:
         elif mode in ("reuse", "blend"):
             self._precompute_prefix(req.prefix)
             for c in req.chunks:
-                self.chunk_cache(c)
+                key = self._chunk_key(c)
+                if key not in self.store:  # cached in any tier is enough: the request loads it
+                    self._compute_chunk(c, key)
         return time.perf_counter() - t0
 
     def _precompute_prefix(self, tokens: Sequence[int]) -> None:
@@ -289,7 +306,7 @@ class Engine:
         self.validate(req, mode, ratio)
         model, counts = self.model, TokenCounts(prompt=len(req))
         suffix = torch.tensor(req.suffix, dtype=torch.int64)
-        writes: list[Callable[[], None]] = []
+        writes: list[Callable[[], object]] = []
         if mode == "full":
             fused = fuse.prefill(model, torch.tensor(req.ids, dtype=torch.int64))
             counts.prefilled = len(req)
@@ -307,18 +324,35 @@ class Engine:
         hit = self._cached_prefix(req.prefix)
         n_hit = len(hit) * self.block_size
         tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
-        caches = [self.chunk_cache(c)[0] for c in req.chunks]
         counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
-        if mode == "reuse":
-            fused = fuse.reuse(model, hit, caches, suffix, tail, rotate=self._rotate)
-            r = None
-        else:
-            r = fuse.DEFAULT_RATIO if ratio is None else ratio
-            ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
-            fused = fuse.blend(model, hit, caches, ids, suffix, r, prefix_tail=tail, rotate=self._rotate)
+        r = None if mode == "reuse" else (fuse.DEFAULT_RATIO if ratio is None else ratio)
+        ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
+        keys = [self._chunk_key(c) for c in req.chunks]
+        sources = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
+        for _ in range(2):  # a second try only if a stored entry turns out corrupt while being read
+            lazy = [i for i, s in enumerate(sources) if not isinstance(s, KVCache)]
+            loader = LayerLoader(sources, self.cfg.num_layers, pipelined=self.pipelined and bool(lazy))
+            try:
+                with loader:
+                    if r is None:
+                        fused = fuse.reuse(model, hit, sources, suffix, tail, rotate=self._rotate, loader=loader)
+                    else:
+                        fused = fuse.blend(model, hit, sources, ids, suffix, r, prefix_tail=tail,
+                                           rotate=self._rotate, loader=loader)
+                break
+            except CorruptEntryError as e:
+                for i in lazy:
+                    self.store.drop_corrupt(keys[i], str(e))
+                    sources[i] = self._chunk_source(req.chunks[i], keys[i])
+        if r is not None:
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
         writes.append(lambda: self._store_prefix(req.prefix, fused.cache))
+        for i in lazy:  # promote what came from disk into memory, from the layers already read
+            layers = [kv[i] for kv in loader.loaded]
+            cache = KVCache(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]),
+                            sources[i].positions)
+            writes.append(partial(self.store.memory.put, keys[i], cache))
         return Prefilled(fused, counts, mode, r, writes)
 
     # -- decoding ----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 
 from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.kv import KVCache
+from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 
@@ -127,33 +128,35 @@ def precompute_chunk(
 def _place_layer(
     cfg: ModelConfig,
     layer: int,
-    chunks: Sequence[KVCache],
+    chunks: Sequence[LayerSource],
+    layer_kv: LayerKV,
     start: int,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     rotate: Rerotate = rerotate,
 ) -> None:
-    """Write layer `layer` of each chunk cache, keys re-rotated, back to back from position start."""
+    """Write one layer's K/V of each chunk (keys re-rotated) back to back from position start."""
     at = start
-    for c in chunks:
+    for c, (k, v) in zip(chunks, layer_kv, strict=True):
         n = len(c)
         target = torch.arange(at, at + n)
-        k_out[:, at : at + n] = rotate(c.k[layer].to(k_out.dtype), c.positions, target, cfg.head_dim, cfg.rope(layer))
-        v_out[:, at : at + n] = c.v[layer].to(v_out.dtype)
+        k_out[:, at : at + n] = rotate(k.to(k_out.dtype), c.positions, target, cfg.head_dim, cfg.rope(layer))
+        v_out[:, at : at + n] = v.to(v_out.dtype)
         at += n
 
 
 def reuse(
     model: Decoder,
     prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[KVCache],
+    chunks: Sequence[LayerSource],
     suffix: torch.Tensor,
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
+    loader: LayerLoader | None = None,
 ) -> Fused:
     """Full KV reuse: prefix and re-rotated chunk caches as they are, then prefill only the suffix."""
     keep = [0] * model.cfg.num_layers
-    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate)
+    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate, loader)
 
 
 def keep_schedule(num_layers: int, n: int, ratio: float, filter_layers: int = DEFAULT_FILTER_LAYERS) -> list[int]:
@@ -180,35 +183,38 @@ def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, 
 def blend(
     model: Decoder,
     prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[KVCache],
+    chunks: Sequence[LayerSource],
     chunk_ids: Sequence[torch.Tensor],
     suffix: torch.Tensor,
     ratio: float = DEFAULT_RATIO,
     filter_layers: int = DEFAULT_FILTER_LAYERS,
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
+    loader: LayerLoader | None = None,
 ) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     n_c = sum(len(c) for c in chunks)
     keep = keep_schedule(model.cfg.num_layers, n_c, ratio, filter_layers)
-    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate)
+    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader)
 
 
 def fuse_chunks(
     model: Decoder,
     prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[KVCache],
+    chunks: Sequence[LayerSource],
     chunk_ids: Sequence[torch.Tensor],
     suffix: torch.Tensor,
     keep: Sequence[int],
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
+    loader: LayerLoader | None = None,
 ) -> Fused:
     """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
 
     The prefix is an exact cache; prefix_tail (the uncached end of the prefix) and the suffix are
     computed on every layer; on layer l the keep[l] chunk tokens of highest KV deviation among the
-    previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids)."""
+    previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids).
+    Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time."""
     cfg = model.cfg
     if suffix.numel() == 0:
         raise ValueError("fusing chunks needs a non-empty suffix")
@@ -232,25 +238,32 @@ def fuse_chunks(
     h = model.embed(torch.cat([tail, *(chunk_ids if keep[0] else []), suffix]))
     selected: list[torch.Tensor] = []
     recomputed = 0
-    for i in range(cfg.num_layers):
-        nc = cand.shape[0]
-        if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
-            _place_layer(cfg, i, chunks, start, k_buf[i], v_buf[i], rotate)
-        rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
-        if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
-            k, v = model.key_value(i, h, rows)
-            span = slice(n_lo, n_lo + nc)
-            dev = kv_deviation(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
-            top = torch.topk(dev, keep[i]).indices.sort().values
-            sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
-            h = h[sel]
-            q = model.query(i, h, rows[sel])
-        else:
-            top, sel = torch.arange(nc), torch.arange(rows.shape[0])
-            q, k, v = model.project(i, h, rows)
-        k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
-        h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i], v_buf[i], pos_all))
-        cand = cand[top]
-        selected.append(cand)
-        recomputed += int(cand.shape[0])
+    own_loader = loader is None
+    loader = loader if loader is not None else LayerLoader(chunks, cfg.num_layers, pipelined=False)
+    try:
+        for i in range(cfg.num_layers):
+            layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
+            nc = cand.shape[0]
+            if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
+                _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
+            rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
+            if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
+                k, v = model.key_value(i, h, rows)
+                span = slice(n_lo, n_lo + nc)
+                dev = kv_deviation(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
+                top = torch.topk(dev, keep[i]).indices.sort().values
+                sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
+                h = h[sel]
+                q = model.query(i, h, rows[sel])
+            else:
+                top, sel = torch.arange(nc), torch.arange(rows.shape[0])
+                q, k, v = model.project(i, h, rows)
+            k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
+            h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i], v_buf[i], pos_all))
+            cand = cand[top]
+            selected.append(cand)
+            recomputed += int(cand.shape[0])
+    finally:
+        if own_loader:
+            loader.close()
     return Fused(KVCache(k_buf, v_buf, pos_all), model.logits(h[-1:])[0], recomputed, selected)

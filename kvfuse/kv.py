@@ -42,6 +42,10 @@ class KVCache:
         shape = (cfg.num_layers, cfg.num_kv_heads, 0, cfg.head_dim)
         return cls(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), torch.empty(0, dtype=torch.int64))
 
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i, (kv_heads, T, head_dim) each (the LayerSource protocol)."""
+        return self.k[i], self.v[i]
+
     def slice(self, start: int, end: int) -> KVCache:
         """Tokens [start, end) as views (no copy)."""
         return KVCache(self.k[:, :, start:end], self.v[:, :, start:end], self.positions[start:end])

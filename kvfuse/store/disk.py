@@ -64,7 +64,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.model_fp = model_fp
         self.stats = TierStats()
-        self.corrupt = 0
+        self.corrupt = 0  # entries found corrupt and dropped, at the start-up scan or on a read
         self._index: OrderedDict[CacheKey, EntryInfo] = OrderedDict()
         self._pinned: set[CacheKey] = set()
         self._lock = threading.RLock()
@@ -83,7 +83,9 @@ class DiskTier:
             try:
                 st = path.stat()
                 info = self._read_info(path)
-            except (OSError, CorruptEntryError, ValueError):
+            except (OSError, CorruptEntryError, ValueError) as e:
+                log.warning("dropping unreadable KV cache file %s: %s", path.name, e)
+                self.corrupt += 1
                 self._drop_file(path)
                 continue
             found.append((st.st_mtime_ns, info))
@@ -169,6 +171,9 @@ class DiskTier:
             self._pinned.discard(key)
             if info is not None:
                 self._drop_file(info.path)
+
+    def drop_corrupt(self, key: CacheKey, why: str) -> None:
+        self._corrupt(key, why)
 
     @staticmethod
     def _drop_file(path: Path) -> None:

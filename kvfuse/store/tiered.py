@@ -6,9 +6,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from kvfuse.kv import KVCache
+from kvfuse.loader import LayerSource
 from kvfuse.store.keys import CacheKey
 from kvfuse.store.memory import MemoryTier, TierStats
 
@@ -38,19 +39,24 @@ class StoreStats:
     misses: int = 0
     corrupt: int = 0
     bytes_read: int = 0
-    tiers_used: set[str] = field(default_factory=set)
+    tier_hits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tiers_used(self) -> set[str]:
+        return {t for t, n in self.tier_hits.items() if n > 0}
 
     def since(self, before: StoreStats) -> StoreStats:
+        """What happened between the snapshot `before` and now."""
         return StoreStats(
             self.hits - before.hits,
             self.misses - before.misses,
             self.corrupt - before.corrupt,
             self.bytes_read - before.bytes_read,
-            set(self.tiers_used),
+            {t: n - before.tier_hits.get(t, 0) for t, n in self.tier_hits.items()},
         )
 
     def snapshot(self) -> StoreStats:
-        return replace(self, tiers_used=set())
+        return replace(self, tier_hits=dict(self.tier_hits))
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -97,10 +103,37 @@ class TieredStore:
         self.stats.misses += 1
         return None
 
+    def open(self, key: CacheKey) -> LayerSource | None:
+        """An entry for per-layer reads: a memory hit as it is, a disk hit opened lazily (its layers are
+        read, and verified, when the loader asks for them)."""
+        cache = self.memory.get(key)
+        if cache is not None:
+            self._hit("memory", 0)
+            return cache
+        opener = getattr(self.disk, "open", None)
+        if opener is not None:
+            corrupt_before = getattr(self.disk, "corrupt", 0)
+            entry = opener(key)
+            self.stats.corrupt += getattr(self.disk, "corrupt", 0) - corrupt_before
+            if entry is not None:
+                self._hit("disk", entry.info.nbytes)
+                return cast(LayerSource, entry)
+        elif self.disk is not None:
+            return self.get(key)
+        self.stats.misses += 1
+        return None
+
+    def drop_corrupt(self, key: CacheKey, why: str) -> None:
+        """An entry failed verification while being read: forget it everywhere."""
+        self.stats.corrupt += 1
+        drop = getattr(self.disk, "drop_corrupt", None)
+        if drop is not None:
+            drop(key, why)
+
     def _hit(self, tier: str, nbytes: int) -> None:
         self.stats.hits += 1
         self.stats.bytes_read += nbytes
-        self.stats.tiers_used.add(tier)
+        self.stats.tier_hits[tier] = self.stats.tier_hits.get(tier, 0) + 1
 
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
         stored = self.memory.put(key, cache, pin)
