@@ -294,8 +294,8 @@ class Engine:
         n_full = len(tokens) // self.block_size * self.block_size
         if n_full == 0:
             return
-        if len(self._cached_prefix(tokens)) * self.block_size == n_full:
-            return
+        if all(h in self.store for h in prefix_block_hashes(self._root(), tokens, self.block_size)):
+            return  # cached in some tier; the request itself loads it
         self._store_prefix(tokens, self._exact_prefix(tokens[:n_full]))
 
     # -- prefill -----------------------------------------------------------------------------------

@@ -108,3 +108,33 @@ def test_cli_rejects_bad_input(real, capsys) -> None:  # type: ignore[no-untyped
     assert e.value.code == 2 and "between 0 and 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="cannot read --chunk-file /nonexistent"):
         main(["generate", "--question", "q", "--chunk-file", "/nonexistent"])
+
+
+def _cli(*args: str) -> dict:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvfuse", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_restart_reuses_chunk_caches_from_disk(real, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A second process answers from the chunk caches a first process wrote to disk."""
+    case = _cases()[6]
+    files = []
+    for i, c in enumerate(case["ctxs"][:4]):
+        f = tmp_path / f"c{i}.txt"
+        f.write_text(c["text"])
+        files += ["--chunk-file", str(f)]
+    store = str(tmp_path / "store")
+    argv = ["generate", *files, "--question", case["question"], "--mode", "blend", "--max-tokens", "8",
+            "--json", "--store", store]
+    first, second = _cli(*argv), _cli(*argv)
+    assert first["store"]["tiers_used"] == ["memory"] and first["precompute_s"] > 0.5  # prepared, then hit
+    assert second["store"]["hits"] >= 4 and second["store"]["tiers_used"] == ["disk"]
+    assert second["store"]["bytes_read"] > 0 and second["precompute_s"] < 0.1
+    assert second["answer"] == first["answer"] and second["first_token_top"][0] == first["first_token_top"][0]
+    stats = _cli("store", "stats", "--store", store)
+    assert stats["entries"] >= 4 and stats["bytes"] > 0
+    assert _cli("store", "verify", "--store", store)["corrupt"] == []
+    assert _cli("store", "clear", "--store", store)["removed"] == stats["entries"]

@@ -1,0 +1,5 @@
+import sys
+
+from kvfuse.cli import main
+
+sys.exit(main())
