@@ -9,14 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15)"
+RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15), or auto (the loading controller)"
 
 
-def _ratio(value: str) -> float:
+def _ratio(value: str) -> float | str:
+    if value == "auto":
+        return value
     try:
         r = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratio takes a number between 0 and 1, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"--ratio takes a number between 0 and 1 or 'auto', got {value!r}") from None
     if not 0.0 <= r <= 1.0:
         raise argparse.ArgumentTypeError(f"--ratio must be between 0 and 1, got {value}")
     return r
@@ -52,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--model", default=None)
     pc.add_argument("--chunk-file", action="append", required=True, help="a chunk's text file (repeatable)")
     _store_flags(pc)
+
+    pr = sub.add_parser("profile", help="measure (once) prefill and tier costs for the loading controller")
+    pr.add_argument("--model", default=None)
+    pr.add_argument("--json", action="store_true", help="print one JSON object")
+    pr.add_argument("--refresh", action="store_true", help="measure again even if a profile is saved")
+    pr.add_argument("--tokens", type=int, default=3400, help="request size the recommendation is for")
+    pr.add_argument("--floor", type=float, default=0.15, help="the quality floor of the recompute ratio")
+    pr.add_argument("--cost", action="append", default=[], metavar="TIER=COST",
+                    help="storage cost per GB of a tier (repeatable; defaults memory=4 disk=0.1)")
+    _store_flags(pr)
 
     st = sub.add_parser("store", help="inspect or manage a KV store directory")
     st.add_argument("action", choices=["stats", "verify", "clear"])
@@ -90,7 +102,8 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store}
+    commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store,
+                "profile": cmd_profile}
     return commands[args.command](args)
 
 
@@ -112,6 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvfuse: {e}") from None
     engine = _load_engine(args)
+    _attach_controller(engine, args, measure=args.ratio == "auto")
     tok = Tokenizer(resolve_model_path(args.model))
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
@@ -133,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "tokens": result.counts.as_dict(),
         "first_token_top": [[i, round(lp, 6)] for i, lp in result.first_token_top(20)],
         "store": result.store.as_dict(),
+        "controller": result.controller.as_dict() if result.controller is not None else None,
     }
     if args.json:
         print(json.dumps(out))
@@ -181,6 +196,51 @@ def cmd_store(args: argparse.Namespace) -> int:
     else:
         out = {"store": str(root), "removed": tier.clear()}
     print(json.dumps(out))
+    return 0
+
+
+def _costs(pairs: list[str]) -> dict[str, float]:
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"kvfuse: --cost takes TIER=NUMBER, got {pair!r}") from None
+    return out
+
+
+def _attach_controller(engine: Any, args: argparse.Namespace, measure: bool) -> None:
+    """Give the engine a controller from the saved profile (measuring one first if `measure`)."""
+    from kvfuse.controller import Controller, load_or_profile, profile_path
+    from kvfuse.weights import cache_dir
+
+    if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
+        return
+    prof = load_or_profile(engine, cache_dir(), _store_dir(args), costs=_costs(getattr(args, "cost", [])))
+    engine.controller = Controller(prof, getattr(args, "floor", 0.15))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvfuse.controller import Controller, load_or_profile
+    from kvfuse.weights import cache_dir
+
+    if not 0.0 <= args.floor <= 1.0:
+        raise SystemExit(f"kvfuse: --floor must be between 0 and 1, got {args.floor}")
+    engine = _load_engine(args)
+    prof = load_or_profile(engine, cache_dir(), _store_dir(args), refresh=args.refresh, costs=_costs(args.cost))
+    ctl = Controller(prof, args.floor)
+    out = {
+        "kv_bytes_per_token": prof.kv_bytes_per_token,
+        "prefill_s_per_token": round(prof.prefill_cost(args.tokens), 8),
+        "prefill_s_per_token_by_length": {str(k): round(v, 8) for k, v in prof.prefill_s_per_token.items()},
+        "tiers": {n: {"read_bytes_per_s": round(t.read_bytes_per_s), "cost_per_gb": t.cost_per_gb}
+                  for n, t in prof.tiers.items()},
+        "tokens": args.tokens,
+        "recommended_tier": ctl.recommend_tier(args.tokens),
+        "ratio_by_tier": ctl.ratio_by_tier(args.tokens),
+    }
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
     return 0
 
 

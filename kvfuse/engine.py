@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvfuse import fuse
+from kvfuse.controller import Controller, Decision
 from kvfuse.kv import KVCache
 from kvfuse.loader import LayerLoader, LayerSource
 from kvfuse.model import Decoder
@@ -38,6 +39,7 @@ from kvfuse.store.tiered import StoreStats, TieredStore
 log = logging.getLogger(__name__)
 
 MODES = ("full", "prefix", "reuse", "blend")
+Ratio = float | str | None  # a number in [0, 1], "auto" (the controller decides) or None (the default)
 BLOCK_SIZE = 16
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|
 
@@ -87,6 +89,7 @@ class Prefilled:
     mode: str
     ratio: float | None
     writeback: list[Callable[[], object]] = field(default_factory=list)  # store writes to run after TTFT
+    controller: Decision | None = None
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class Generation:
     mode: str
     ratio: float | None
     store: StoreStats = field(default_factory=StoreStats)  # this request's lookups
+    controller: Decision | None = None  # blend's ratio and tier decision, when a controller is set
 
     def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
         """The k most likely first tokens as (token_id, logprob)."""
@@ -145,6 +149,7 @@ class Engine:
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self.pipelined = True  # read disk-backed chunk layers ahead of the recompute
+        self.controller: Controller | None = None  # set one to enable ratio "auto" and decisions
         self._rotate = rotate
         self.blend_error: str | None = self.self_check() if self_check else None
         if self.blend_error:
@@ -199,7 +204,7 @@ class Engine:
             )
         return None
 
-    def validate(self, req: Request, mode: str, ratio: float | None = None, max_tokens: int = 0) -> None:
+    def validate(self, req: Request, mode: str, ratio: Ratio = None, max_tokens: int = 0) -> None:
         if mode not in MODES:
             raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in ("reuse", "blend") and self.blend_error:
@@ -208,8 +213,11 @@ class Engine:
             raise RequestError("the request needs a non-empty suffix (the question)")
         if any(len(c) == 0 for c in req.chunks):
             raise RequestError("empty chunks are not allowed; drop them from the request")
-        if ratio is not None and not 0.0 <= ratio <= 1.0:
-            raise RequestError(f"ratio must be between 0 and 1, got {ratio}")
+        if ratio == "auto":
+            if self.controller is None:
+                raise RequestError("ratio 'auto' needs the loading controller's profile (run `kvfuse profile`)")
+        elif ratio is not None and not (isinstance(ratio, int | float) and 0.0 <= ratio <= 1.0):
+            raise RequestError(f"ratio must be a number between 0 and 1 or 'auto', got {ratio!r}")
         limit = self.cfg.max_position_embeddings
         if len(req) + max_tokens > limit:
             raise RequestError(
@@ -301,7 +309,7 @@ class Engine:
     # -- prefill -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, req: Request, mode: str = "full", ratio: float | None = None) -> Prefilled:
+    def prefill(self, req: Request, mode: str = "full", ratio: Ratio = None) -> Prefilled:
         """Build the request's KV cache and first-token logits in the given mode."""
         self.validate(req, mode, ratio)
         model, counts = self.model, TokenCounts(prompt=len(req))
@@ -326,10 +334,19 @@ class Engine:
         tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
         counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
-        r = None if mode == "reuse" else (fuse.DEFAULT_RATIO if ratio is None else ratio)
         ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
         keys = [self._chunk_key(c) for c in req.chunks]
         sources = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
+        decision = None
+        if mode == "reuse":
+            r = None
+        elif self.controller is not None:
+            tier = "memory" if all(isinstance(s, KVCache) for s in sources) else "disk"
+            fixed = None if ratio == "auto" else (fuse.DEFAULT_RATIO if ratio is None else float(ratio))
+            decision = self.controller.decide(counts.reused, tier, fixed)
+            r = decision.ratio
+        else:
+            r = fuse.DEFAULT_RATIO if ratio is None else float(ratio)
         for _ in range(2):  # a second try only if a stored entry turns out corrupt while being read
             lazy = [i for i, s in enumerate(sources) if not isinstance(s, KVCache)]
             loader = LayerLoader(sources, self.cfg.num_layers, pipelined=self.pipelined and bool(lazy))
@@ -353,12 +370,12 @@ class Engine:
             cache = KVCache(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]),
                             sources[i].positions)
             writes.append(partial(self.store.memory.put, keys[i], cache))
-        return Prefilled(fused, counts, mode, r, writes)
+        return Prefilled(fused, counts, mode, r, writes, decision)
 
     # -- decoding ----------------------------------------------------------------------------------
 
     def stream(
-        self, req: Request, mode: str = "full", ratio: float | None = None, params: SamplingParams | None = None
+        self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None
     ) -> TokenStream:
         """Generate token ids one at a time; the stream's `result` holds timings and counts at the end."""
         params = params or SamplingParams()
@@ -368,7 +385,7 @@ class Engine:
         return stream
 
     def generate(
-        self, req: Request, mode: str = "full", ratio: float | None = None, params: SamplingParams | None = None
+        self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None
     ) -> Generation:
         stream = self.stream(req, mode, ratio, params)
         for _ in stream:
@@ -378,7 +395,7 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(
-        self, req: Request, mode: str, ratio: float | None, params: SamplingParams, out: TokenStream
+        self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream
     ) -> Iterator[int]:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
@@ -414,7 +431,8 @@ class Engine:
             if finish == "stop":
                 tokens.pop()  # the stop token is not part of the output
             out.result = Generation(
-                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio, store_stats
+                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio, store_stats,
+                pre.controller,
             )
 
 

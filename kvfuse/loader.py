@@ -8,6 +8,8 @@ request's chunks in a background thread; `synchronize(i)` waits for it and retur
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -27,13 +29,27 @@ class LayerSource(Protocol):
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _lower_priority() -> None:
+    """Run the loader below the compute threads. On a CPU machine the recompute keeps every core busy,
+    and a loader at equal priority preempts the matmul threads, which then wait on each other at every
+    parallel region; at lower priority it reads in the gaps and never stalls the recompute."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):
+        pass
+
+
 class LayerLoader:
     def __init__(self, sources: Sequence[LayerSource], num_layers: int, pipelined: bool = True) -> None:
         self.sources = list(sources)
         self.num_layers = num_layers
         self.pipelined = pipelined
         self._pending: dict[int, Future[LayerKV]] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfuse-loader") if pipelined else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvfuse-loader", initializer=_lower_priority)
+            if pipelined
+            else None
+        )
         self.loaded: list[LayerKV] = []  # every layer read, in order (to promote the entries afterwards)
 
     def _read(self, i: int) -> LayerKV:

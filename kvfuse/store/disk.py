@@ -49,7 +49,8 @@ class EntryInfo:
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+    # zlib reads the tensor's memory in place (no copy) and releases the GIL while it does
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().data) if t.numel() else 0
 
 
 class DiskTier:

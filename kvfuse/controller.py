@@ -1,0 +1,189 @@
+"""The loading controller: pick blend's recompute ratio and the storage tier from measured costs.
+
+Profile once per model and machine (kept in the cache dir): the prefill cost per token at a few
+lengths, each tier's read throughput, and the KV bytes per token. Then, per request of n reused tokens:
+
+    load_s(tier)  = kv_bytes_per_token * n / read_bytes_per_s(tier)
+    full_s        = prefill_s_per_token(n) * n
+    recompute_s   = r * full_s
+    r             = max(r_balance, floor),  r_balance = load_s / full_s  (recompute hides behind the load)
+
+and the recommended tier is the cheapest one whose load is no slower than recomputing at the floor
+ratio: storing there costs nothing in TTFT. The seed's paper leaves these two questions to a controller
+that neither LMCache nor the CacheBlend code implements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_FLOOR = 0.15
+DEFAULT_COST_PER_GB = {"memory": 4.0, "disk": 0.1}  # relative storage cost per GB; configurable
+
+
+@dataclass(frozen=True, slots=True)
+class TierProfile:
+    read_bytes_per_s: float
+    cost_per_gb: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    model: str  # fingerprint
+    machine: str
+    kv_bytes_per_token: int
+    prefill_s_per_token: dict[int, float]  # by prompt length (full prefill time / length)
+    tiers: dict[str, TierProfile] = field(default_factory=dict)
+
+    def prefill_cost(self, n: int) -> float:
+        """Seconds per token of a full prefill of n tokens, interpolated between the profiled lengths."""
+        pts = sorted(self.prefill_s_per_token.items())
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (a, sa), (b, sb) in zip(pts, pts[1:], strict=False):
+            if n <= b:
+                return sa + (sb - sa) * (n - a) / (b - a)
+        (a, sa), (b, sb) = pts[-2], pts[-1]  # extrapolate the last segment, never below half the cheapest
+        return max(sb + (sb - sa) * (n - b) / (b - a), 0.5 * min(v for _, v in pts))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefill_s_per_token"] = {str(k): v for k, v in self.prefill_s_per_token.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Profile:
+        return cls(
+            model=d["model"],
+            machine=d["machine"],
+            kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+            prefill_s_per_token={int(k): float(v) for k, v in d["prefill_s_per_token"].items()},
+            tiers={k: TierProfile(**v) for k, v in d["tiers"].items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ratio: float
+    tier: str
+    predicted_load_s: float
+    predicted_recompute_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ratio": round(self.ratio, 4), "tier": self.tier, "predicted_load_s": round(self.predicted_load_s, 6),
+                "predicted_recompute_s": round(self.predicted_recompute_s, 6)}
+
+
+class Controller:
+    def __init__(self, profile: Profile, floor: float = DEFAULT_FLOOR) -> None:
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"the ratio floor must be between 0 and 1, got {floor}")
+        self.profile, self.floor = profile, floor
+
+    def _tier(self, tier: str) -> TierProfile:
+        try:
+            return self.profile.tiers[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r}; profiled tiers: {', '.join(self.profile.tiers)}") from None
+
+    def decide(self, n_tokens: int, tier: str, ratio: float | None = None) -> Decision:
+        """The ratio for n reused tokens loaded from `tier` (or the predictions for a fixed ratio)."""
+        full = self.profile.prefill_cost(n_tokens) * n_tokens
+        load = self.profile.kv_bytes_per_token * n_tokens / self._tier(tier).read_bytes_per_s
+        if ratio is None:
+            ratio = min(1.0, max(load / full if full > 0 else 1.0, self.floor))
+        return Decision(ratio, tier, load, ratio * full)
+
+    def ratio_by_tier(self, n_tokens: int) -> dict[str, float]:
+        return {t: round(self.decide(n_tokens, t).ratio, 4) for t in self.profile.tiers}
+
+    def recommend_tier(self, n_tokens: int) -> str:
+        """The cheapest tier whose load hides behind a recompute at the floor ratio (else the fastest)."""
+        full = self.profile.prefill_cost(n_tokens) * n_tokens
+        fits = [t for t in self.profile.tiers if self.decide(n_tokens, t).predicted_load_s <= self.floor * full]
+        if fits:
+            return min(fits, key=lambda t: self.profile.tiers[t].cost_per_gb)
+        return max(self.profile.tiers, key=lambda t: self.profile.tiers[t].read_bytes_per_s)
+
+
+def profile_path(cache_dir: Path, model_fp: str) -> Path:
+    return cache_dir / "profiles" / f"{model_fp[:16]}-{platform.node() or 'machine'}.json"
+
+
+def load_or_profile(engine: Any, cache_dir: Path, store_dir: Path | None, refresh: bool = False,
+                    costs: dict[str, float] | None = None) -> Profile:
+    """The saved profile of this model on this machine, measuring it first if there is none."""
+    path = profile_path(cache_dir, engine.fingerprint)
+    if path.is_file() and not refresh:
+        try:
+            return Profile.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged profile is measured again
+    prof = measure(engine, store_dir, costs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof.to_json(), indent=1))
+    os.replace(tmp, path)
+    return prof
+
+
+def measure(engine: Any, store_dir: Path | None, costs: dict[str, float] | None = None,
+            lengths: tuple[int, ...] = (256, 1024, 2048)) -> Profile:
+    """Time full prefills at a few lengths and a read of a KV cache from each tier."""
+    from kvfuse import fuse
+    from kvfuse.store.disk import DiskTier
+
+    costs = {**DEFAULT_COST_PER_GB, **(costs or {})}
+    cfg = engine.cfg
+    gen = torch.Generator().manual_seed(0)
+    per_token: dict[int, float] = {}
+    sample = None
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.randint(4, cfg.vocab_size, (n,), generator=gen)
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                out = fuse.prefill(engine.model, ids)
+                times.append(time.perf_counter() - t0)
+            per_token[n] = min(times) / n
+            sample = out.cache.to(engine.kv_dtype)
+    assert sample is not None
+    kv_per_token = sample.nbytes // len(sample)
+    tiers = {"memory": TierProfile(_copy_rate(sample), costs["memory"])}
+    with tempfile.TemporaryDirectory(dir=store_dir if store_dir is not None and store_dir.is_dir() else None) as tmp:
+        disk = DiskTier(Path(tmp), model_fp=engine.fingerprint)
+        disk.put("profile-probe", sample)  # type: ignore[arg-type]
+        rates = []
+        for _ in range(3):
+            path = disk.info("profile-probe").path  # type: ignore[arg-type,union-attr]
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            t0 = time.perf_counter()
+            entry = disk.open("profile-probe")  # type: ignore[arg-type]
+            assert entry is not None
+            for i in range(entry.layers):
+                entry.layer(i)
+            rates.append(sample.nbytes / (time.perf_counter() - t0))
+        tiers["disk"] = TierProfile(statistics.median(rates), costs["disk"])
+    return Profile(engine.fingerprint, platform.node(), int(kv_per_token), per_token, tiers)
+
+
+def _copy_rate(cache: Any) -> float:
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        cache.clone()
+        times.append(time.perf_counter() - t0)
+    return float(cache.nbytes / min(times))
