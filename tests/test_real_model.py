@@ -138,3 +138,27 @@ def test_restart_reuses_chunk_caches_from_disk(real, tmp_path) -> None:  # type:
     assert stats["entries"] >= 4 and stats["bytes"] > 0
     assert _cli("store", "verify", "--store", store)["corrupt"] == []
     assert _cli("store", "clear", "--store", store)["removed"] == stats["entries"]
+
+
+def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    import os
+
+    os.symlink(resolve_model_path(None).parent, tmp_path / "cache" / "models")  # reuse the converted model
+    prof = _cli("profile", "--json", "--store", str(tmp_path / "store"))
+    assert set(prof) >= {"kv_bytes_per_token", "prefill_s_per_token", "tiers", "recommended_tier", "ratio_by_tier"}
+    assert prof["kv_bytes_per_token"] == 2 * 18 * 256 * 4  # fp32 K and V, 18 layers, one 256-wide kv head
+    assert set(prof["tiers"]) == {"memory", "disk"} and prof["recommended_tier"] in prof["tiers"]
+    assert all(t["read_bytes_per_s"] > 0 and "cost_per_gb" in t for t in prof["tiers"].values())
+    assert all(0.15 <= r <= 1.0 for r in prof["ratio_by_tier"].values())
+    chunk = tmp_path / "c.txt"
+    chunk.write_text(_cases()[7]["ctxs"][0]["text"])
+    store = str(tmp_path / "store")
+    first = _cli("precompute", "--chunk-file", str(chunk), "--store", store)
+    again = _cli("precompute", "--chunk-file", str(chunk), "--store", store)
+    assert (first["computed"], again["computed"], again["already_cached"]) == (1, 0, 1)
+    out = _cli("generate", "--chunk-file", str(chunk), "--question", "Who?", "--mode", "blend", "--ratio", "auto",
+               "--max-tokens", "4", "--json", "--store", store)
+    assert out["controller"]["tier"] == "disk" and out["ratio"] == out["controller"]["ratio"] >= 0.15
+    assert out["store"]["hits"] >= 1 and out["precompute_s"] < 0.5  # only the short head block is new
