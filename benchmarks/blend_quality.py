@@ -10,23 +10,22 @@ schedules, and an ablation that picks the recomputed tokens at random (same sche
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 from kvfuse import fuse
 from kvfuse.engine import Engine
-from kvfuse.text import Prompt, Tokenizer
+from kvfuse.metrics import kl_divergence
+from kvfuse.text import Tokenizer
 from kvfuse.weights import resolve_model_path
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+sys.path.insert(0, str(Path(__file__).parent))
+from common import musique_cases, musique_prompt  # noqa: E402
 
-
-def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
-    return float((lp.exp() * (lp - lq)).sum())
+kl = kl_divergence
 
 
 def main() -> None:
@@ -36,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     path = resolve_model_path(None)
     engine, tok = Engine.load(path), Tokenizer(path)
-    cases = json.loads(MUSIQUE.read_text())[: args.cases]
+    cases = musique_cases()[: args.cases]
     hkvd = fuse.kv_deviation
     gen = torch.Generator().manual_seed(0)
 
@@ -58,8 +57,7 @@ def main() -> None:
     agree = dict.fromkeys(variants, 0)
     with torch.inference_mode():
         for case in cases:
-            req = Prompt(chunks=tuple(c["text"] for c in case["ctxs"][: args.passages]),
-                         question=case["question"]).request(tok)
+            req = musique_prompt(case, args.passages).request(tok)
             full = engine.prefill(req, "full").fused.logits
             caches = [engine.chunk_cache(c)[0] for c in req.chunks]
             ids = [torch.tensor(c) for c in req.chunks]

@@ -21,25 +21,20 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved_medians, musique_cases  # noqa: E402
+from common import musique_prompt as prompt_for  # noqa: E402
+
+from kvfuse.metrics import kl_divergence  # noqa: E402
 
 
-def load(n_passages: int, case_index: int = 0):  # type: ignore[no-untyped-def]
+def load(n_passages: int):  # type: ignore[no-untyped-def]
     from kvfuse.engine import Engine
     from kvfuse.text import Tokenizer
     from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
-    engine, tok = Engine.load(path), Tokenizer(path)
-    cases = json.loads(MUSIQUE.read_text())
-    return engine, tok, path, cases
-
-
-def prompt_for(case: dict, n_passages: int):  # type: ignore[no-untyped-def]
-    from kvfuse.text import Prompt
-
-    return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"])
+    return Engine.load(path), Tokenizer(path), path, musique_cases()
 
 
 def ttft(engine, req, mode: str, ratio: float | None = None) -> float:  # type: ignore[no-untyped-def]
@@ -104,14 +99,7 @@ def main() -> None:
         "reuse": lambda: ttft(engine, req, "reuse"),
         "blend@0.15": lambda: ttft(engine, req, "blend", 0.15),
     }
-    for f in methods.values():  # warm-up
-        f()
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for r in range(args.runs):
-        for name, f in methods.items():
-            times[name].append(f())
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(methods, args.runs)
 
     agree = {"reuse": 0, "blend@0.15": 0}
     kl = {"reuse": [], "blend@0.15": []}
@@ -122,8 +110,7 @@ def main() -> None:
         for name, (mode, ratio) in {"reuse": ("reuse", None), "blend@0.15": ("blend", 0.15)}.items():
             got = engine.prefill(rq, mode, ratio).fused.logits
             agree[name] += int(got.argmax() == full.argmax())
-            lp, lq = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
-            kl[name].append(float((lp.exp() * (lp - lq)).sum()))
+            kl[name].append(kl_divergence(full, got))
 
     rss = {}
     for mode in ("full", "blend"):

@@ -11,22 +11,25 @@ the loader does, with no compute; `recompute only` is blend with the chunks alre
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from kvfuse.engine import Engine
-from kvfuse.sampling import SamplingParams
-from kvfuse.store import open_store
-from kvfuse.text import Prompt, Tokenizer
-from kvfuse.weights import load_model, resolve_model_path
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved_medians, musique_cases, musique_prompt  # noqa: E402
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+from kvfuse.engine import Engine  # noqa: E402
+from kvfuse.metrics import kl_divergence  # noqa: E402
+from kvfuse.sampling import SamplingParams  # noqa: E402
+from kvfuse.store import open_store  # noqa: E402
+from kvfuse.text import Tokenizer  # noqa: E402
+from kvfuse.weights import load_model, resolve_model_path  # noqa: E402
+
 ONE = SamplingParams(max_tokens=1)
 
 
@@ -39,11 +42,6 @@ def drop_page_cache(root: Path) -> None:
             os.close(fd)
 
 
-def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
-    return float((lp.exp() * (lp - lq)).sum())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
@@ -53,8 +51,7 @@ def main() -> None:
     path = resolve_model_path(None)
     lm = load_model(path)
     tok = Tokenizer(path)
-    case = json.loads(MUSIQUE.read_text())[0]
-    req = Prompt(chunks=tuple(c["text"] for c in case["ctxs"][: args.passages]), question=case["question"]).request(tok)
+    req = musique_prompt(musique_cases()[0], args.passages).request(tok)
     tmp = Path(tempfile.mkdtemp(prefix="kvfuse-bench-"))
     engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "fp32", lm.fingerprint))
     engine.precompute(req, "blend")
@@ -89,14 +86,7 @@ def main() -> None:
     methods = {"memory (recompute only)": memory, "disk, pipelined": lambda: disk(True),
                "disk, sequential": lambda: disk(False), "load only (disk)": load_only,
                "recomputed from scratch": scratch}
-    for f in methods.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for r in range(args.runs):
-        for name, f in methods.items():
-            times[name].append(f())
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(methods, args.runs)
     print("\n| blend@0.15, chunk caches | TTFT median (s) | vs memory |")
     print("|---|---|---|")
     for k, v in med.items():
@@ -126,7 +116,7 @@ def main() -> None:
             drop_page_cache(root)
             ts.append(fresh.generate(req, "blend", 0.15, ONE).ttft_s)
         logits = e.prefill(req, "blend", 0.15).fused.logits
-        print(f"| {name} | {per_token:.0f} | {statistics.median(ts):.3f} | {kl(full, logits):.5f} | "
+        print(f"| {name} | {per_token:.0f} | {statistics.median(ts):.3f} | {kl_divergence(full, logits):.5f} | "
               f"{bool(logits.argmax() == full.argmax())} |")
 
 

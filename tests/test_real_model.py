@@ -7,6 +7,7 @@ import torch
 from conftest import SHARED
 
 from kvfuse.engine import Engine
+from kvfuse.metrics import kl_divergence
 from kvfuse.text import Prompt, Tokenizer
 from kvfuse.weights import resolve_model_path
 
@@ -28,10 +29,7 @@ def _request(tok: Tokenizer, case: dict, n_passages: int):  # type: ignore[no-un
     return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"]).request(tok)
 
 
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) of next-token distributions."""
-    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
-    return float((lp.exp() * (lp - lq)).sum())
+_kl = kl_divergence
 
 
 def test_real_logits_match_hf(real) -> None:  # type: ignore[no-untyped-def]
@@ -84,10 +82,12 @@ def test_cli_generate_json_in_every_mode(real, tmp_path, capsys) -> None:  # typ
     outs = {}
     for mode, ratio in (("full", []), ("prefix", []), ("reuse", []), ("blend", ["--ratio", "1.0"]), ("blend", [])):
         argv = ["generate", "--prefix-file", str(prefix), *files, "--question", case["question"], "--mode", mode,
-                *ratio, "--max-tokens", "8", "--json"]
+                *ratio, "--max-tokens", "8", "--json", "--store", str(tmp_path / "store")]
         assert main(argv) == 0
         out = json.loads(capsys.readouterr().out)
-        assert set(out) == {"answer", "mode", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top"}
+        assert set(out) == {"answer", "mode", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top",
+                            "store", "controller"}
+        assert set(out["store"]) == {"hits", "misses", "corrupt", "bytes_read", "tiers_used"}
         assert set(out["tokens"]) == {"prompt", "prefilled", "reused", "recomputed"}
         assert len(out["first_token_top"]) == 20 and out["ttft_s"] > 0
         assert out["tokens"]["prompt"] == out["tokens"]["prefilled"] + out["tokens"]["reused"]
@@ -141,11 +141,11 @@ def test_restart_reuses_chunk_caches_from_disk(real, tmp_path) -> None:  # type:
 
 
 def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "cache").mkdir()
     import os
 
-    os.symlink(resolve_model_path(None).parent, tmp_path / "cache" / "models")  # reuse the converted model
+    (tmp_path / "cache").mkdir()
+    os.symlink(real[2].parent, tmp_path / "cache" / "models")  # the converted model, in a fresh cache dir
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
     prof = _cli("profile", "--json", "--store", str(tmp_path / "store"))
     assert set(prof) >= {"kv_bytes_per_token", "prefill_s_per_token", "tiers", "recommended_tier", "ratio_by_tier"}
     assert prof["kv_bytes_per_token"] == 2 * 18 * 256 * 4  # fp32 K and V, 18 layers, one 256-wide kv head
