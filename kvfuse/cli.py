@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: newline)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--floor", type=float, default=0.15, help="the controller's quality floor for --ratio auto")
     _store_flags(g)
 
     pc = sub.add_parser("precompute", help="compute chunk caches into the store ahead of time")
@@ -125,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvfuse: {e}") from None
     engine = _load_engine(args)
-    _attach_controller(engine, args, measure=args.ratio == "auto")
+    _attach_controller(engine, args, measure=args.mode == "blend")
     tok = Tokenizer(resolve_model_path(args.model))
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
@@ -211,7 +212,8 @@ def _costs(pairs: list[str]) -> dict[str, float]:
 
 
 def _attach_controller(engine: Any, args: argparse.Namespace, measure: bool) -> None:
-    """Give the engine a controller from the saved profile (measuring one first if `measure`)."""
+    """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
+    requests always get one, so their results say what the controller predicted)."""
     from kvfuse.controller import Controller, load_or_profile, profile_path
     from kvfuse.weights import cache_dir
 
@@ -233,6 +235,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = {
         "kv_bytes_per_token": prof.kv_bytes_per_token,
         "prefill_s_per_token": round(prof.prefill_cost(args.tokens), 8),
+        "prefill_s_per_token_layer": round(prof.prefill_cost(args.tokens) / engine.cfg.num_layers, 9),
         "prefill_s_per_token_by_length": {str(k): round(v, 8) for k, v in prof.prefill_s_per_token.items()},
         "tiers": {n: {"read_bytes_per_s": round(t.read_bytes_per_s), "cost_per_gb": t.cost_per_gb}
                   for n, t in prof.tiers.items()},

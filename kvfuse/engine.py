@@ -28,7 +28,7 @@ import torch
 from kvfuse import fuse
 from kvfuse.controller import Controller, Decision
 from kvfuse.kv import KVCache
-from kvfuse.loader import LayerLoader, LayerSource
+from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 from kvfuse.sampling import SamplingParams, sample
@@ -276,6 +276,10 @@ class Engine:
         source = self.store.open(key)
         return source if source is not None else self._compute_chunk(chunk, key)
 
+    def _promote(self, key: ChunkKey, layers: LayerKV, positions: torch.Tensor) -> None:
+        k, v = torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+        self.store.memory.put(key, KVCache(k, v, positions))
+
     def _compute_chunk(self, chunk: Sequence[int], key: ChunkKey) -> KVCache:
         cache = fuse.precompute_chunk(self.model, self.preamble, chunk).to(self.kv_dtype)
         self.store.put(key, cache)
@@ -365,11 +369,8 @@ class Engine:
         if r is not None:
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
         writes.append(lambda: self._store_prefix(req.prefix, fused.cache))
-        for i in lazy:  # promote what came from disk into memory, from the layers already read
-            layers = [kv[i] for kv in loader.loaded]
-            cache = KVCache(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]),
-                            sources[i].positions)
-            writes.append(partial(self.store.memory.put, keys[i], cache))
+        for i in lazy:  # after the request: promote what came from disk into memory, from the layers read
+            writes.append(partial(self._promote, keys[i], [kv[i] for kv in loader.loaded], sources[i].positions))
         return Prefilled(fused, counts, mode, r, writes, decision)
 
     # -- decoding ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 from conftest import rand_ids
 
 from kvfuse.engine import Engine, Request
+from kvfuse.kv import KVCache
 from kvfuse.loader import LayerLoader
 from kvfuse.store import open_store
 from kvfuse.weights import load_model
@@ -110,3 +111,58 @@ def test_loader_reads_the_next_layer_ahead() -> None:
     for i in range(3):  # layer i+1 was requested before layer i was used
         assert log.index(("read", i + 1)) >= 0
     assert len(loader.loaded) == 4
+
+
+def test_file_renamed_to_another_chunks_key_is_not_used(warm_store, tiny_models) -> None:  # type: ignore[no-untyped-def]
+    root, store_dir, req, logits, _ = warm_store
+    e = _engine(root, store_dir)
+    a, b = (e._chunk_key(c) for c in req.chunks)
+    path_a, path_b = (e.store.disk.info(k).path for k in (a, b))  # type: ignore[union-attr]
+    path_b.unlink()
+    path_a.rename(path_b)  # chunk b's file now holds chunk a
+    fresh = _engine(root, store_dir)
+    out = fresh.generate(req, "blend", 0.3)
+    assert torch.allclose(out.first_logits, logits, atol=1e-5)
+    assert fresh.store.disk.corrupt >= 1 and out.store.misses >= 1  # type: ignore[union-attr]
+
+
+def test_file_written_by_another_model_under_the_right_key_is_not_used(warm_store, tiny_models) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.store.disk import DiskTier
+
+    root, store_dir, req, logits, _ = warm_store
+    e = _engine(root, store_dir)
+    key = e._chunk_key(req.chunks[0])
+    forged = DiskTier(store_dir, model_fp="some-other-model")
+    forged.put(key, KVCache.concat([e.chunk_cache(req.chunks[0])[0]]).clone())  # same key, foreign model
+    fresh = _engine(root, store_dir)
+    out = fresh.generate(req, "blend", 0.3)
+    assert out.store.corrupt == 1 and torch.allclose(out.first_logits, logits, atol=1e-5)
+
+
+def test_full_disk_keeps_requests_answering(tiny_models, tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    import errno
+    import os
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    e = _engine(tiny_models["gemma3"][0], tmp_path)
+    req = _request()
+    out = e.generate(req, "blend", 1.0)
+    e.store.flush()
+    full = e.generate(req, "full")
+    assert out.tokens == full.tokens and "full" in caplog.text
+    assert len(e.store.disk) == 0  # type: ignore[arg-type]
+    assert e.generate(req, "blend", 1.0).store.tiers_used == {"memory"}  # still served from memory
+
+
+def test_partial_hits_fuse_cached_and_new_chunks(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    e = _engine(tiny_models["llama"][0], tmp_path)
+    a, b, c = rand_ids(12, 80), rand_ids(9, 81), rand_ids(15, 82)
+    head, q = (1,) + rand_ids(3, 83), rand_ids(3, 84)
+    e.precompute(Request(prefix=head, chunks=(a, c), suffix=q), "blend")
+    req = Request(prefix=head, chunks=(c, b, a), suffix=q)  # reordered, and b is new
+    out = e.generate(req, "blend", 1.0)
+    assert out.store.hits == 2 and out.store.misses == 1
+    assert torch.allclose(out.first_logits, e.prefill(req, "full").fused.logits, atol=1e-4)
