@@ -15,7 +15,7 @@ from typing import NewType
 
 import torch
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: xxh3-64 layer checksums
 
 BlockHash = NewType("BlockHash", str)
 ChunkKey = NewType("ChunkKey", str)
