@@ -126,7 +126,7 @@ def test_bad_requests_get_clear_errors(tiny_engines) -> None:
     e = tiny_engines["llama"]
     with pytest.raises(RequestError, match="unknown mode 'fast'"):
         e.prefill(_request(), "fast")
-    with pytest.raises(RequestError, match="ratio must be between 0 and 1"):
+    with pytest.raises(RequestError, match="ratio must be a number between 0 and 1"):
         e.prefill(_request(), "blend", 1.5)
     with pytest.raises(RequestError, match="context window is 512"):
         e.prefill(Request(prefix=(1,) * 600, suffix=(5,)), "full")
