@@ -14,10 +14,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import mmap
 import os
+import struct
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -278,42 +281,49 @@ class DiskTier:
                 yield key, str(e)
 
 
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+
+
 class DiskEntry:
-    """An open entry: metadata verified, layers read (and checksum-verified) one at a time."""
+    """An open entry: metadata verified, layers read (and checksum-verified) one at a time.
+
+    The file is memory-mapped and each layer is a view into the mapping: safetensors' Python API copies
+    every slice it reads, and on a CPU that copy is most of the load, competing with the recompute.
+    safetensors still parses and checks the header (it refuses a file shorter than its header says);
+    the tensor offsets come from that same header. Writers only ever replace files by rename, so a
+    mapped file is never truncated under a reader."""
 
     def __init__(self, tier: DiskTier, info: EntryInfo) -> None:
         from safetensors import safe_open
 
         self.info = info
+        name = info.path.name
         try:
-            self._f = safe_open(str(info.path), framework="pt")
-            meta = self._f.metadata() or {}
+            with safe_open(str(info.path), framework="pt") as f:
+                meta = f.metadata() or {}
             if meta.get("key") != info.key:
-                raise CorruptEntryError(f"{info.path.name}: holds entry {meta.get('key', '?')[:12]}, not this key")
+                raise CorruptEntryError(f"{name}: holds entry {meta.get('key', '?')[:12]}, not this key")
             if tier.model_fp and meta.get("model") != tier.model_fp:
-                raise CorruptEntryError(f"{info.path.name}: written by a different model")
+                raise CorruptEntryError(f"{name}: written by a different model")
             self._sum_k = json.loads(meta["xxh3_k"])
             self._sum_v = json.loads(meta["xxh3_v"])
-            self.positions: torch.Tensor = self._f.get_tensor("positions")
-            self._k, self._v = self._f.get_slice("k"), self._f.get_slice("v")
-            shape = self._k.get_shape()
+            tensors = _map_tensors(info.path)
+            self.positions: torch.Tensor = tensors["positions"].clone()
+            self._k, self._v = tensors["k"], tensors["v"]
         except CorruptEntryError:
             raise
         except Exception as e:
-            raise CorruptEntryError(f"{info.path.name}: {e}") from e
-        if len(self._sum_k) != shape[0] or self.positions.shape[0] != shape[2]:
-            raise CorruptEntryError(f"{info.path.name}: shapes do not match its metadata")
-        self.layers = int(shape[0])
+            raise CorruptEntryError(f"{name}: {e}") from e
+        if len(self._sum_k) != self._k.shape[0] or self.positions.shape[0] != self._k.shape[2]:
+            raise CorruptEntryError(f"{name}: shapes do not match its metadata")
+        self.layers = int(self._k.shape[0])
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer i, (kv_heads, T, head_dim) each, checksum-verified."""
-        try:
-            k, v = self._k[i], self._v[i]
-        except Exception as e:  # a truncated file fails here
-            raise CorruptEntryError(f"{self.info.path.name}: layer {i} unreadable ({e})") from e
+        """K and V of layer i, (kv_heads, T, head_dim) each, checksum-verified, as views of the file."""
+        k, v = self._k[i], self._v[i]
         if _digest(k) != self._sum_k[i] or _digest(v) != self._sum_v[i]:
             raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on layer {i}")
         return k, v
@@ -321,3 +331,25 @@ class DiskEntry:
     def read_all(self) -> KVCache:
         ks, vs = zip(*(self.layer(i) for i in range(self.layers)), strict=True)
         return KVCache(torch.stack(ks), torch.stack(vs), self.positions)
+
+
+def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read-only tensor views of a safetensors file, mapped into memory (no copy)."""
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    (n,) = struct.unpack("<Q", mm[:8])
+    header = json.loads(mm[8 : 8 + n])
+    base, out = 8 + n, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": these views are never written
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = spec["data_offsets"]
+            if base + end > len(mm):
+                raise CorruptEntryError(f"{path.name}: shorter than its header says")
+            dtype = _DTYPES[spec["dtype"]]
+            count = (end - start) // dtype.itemsize
+            flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0)
+            out[name] = flat.to(dtype).view(spec["shape"])
+    return out
