@@ -21,8 +21,8 @@ def musique_prompt(case: dict[str, Any], n_passages: int):  # type: ignore[no-un
     return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"])
 
 
-def interleaved_medians(methods: dict[str, Callable[[], float]], runs: int) -> dict[str, float]:
-    """Warm each method up, then run one of each per round and return each method's median seconds."""
+def interleaved(methods: dict[str, Callable[[], float]], runs: int) -> dict[str, list[float]]:
+    """Warm each method up, then run one of each per round; returns every method's seconds by round."""
     for f in methods.values():
         f()
     times: dict[str, list[float]] = {k: [] for k in methods}
@@ -30,4 +30,14 @@ def interleaved_medians(methods: dict[str, Callable[[], float]], runs: int) -> d
         for name, f in methods.items():
             times[name].append(f())
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+    return times
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def median_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of num/den, each pair measured back to back: robust to the machine's drift,
+    which on these shared machines can shift every timing by 30% between rounds."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
