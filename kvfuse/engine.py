@@ -351,7 +351,7 @@ class Engine:
             r = decision.ratio
         else:
             r = fuse.DEFAULT_RATIO if ratio is None else float(ratio)
-        for _ in range(2):  # a second try only if a stored entry turns out corrupt while being read
+        for _ in range(len(sources) + 1):  # tries again only when a stored entry turns out corrupt mid-read
             lazy = [i for i, s in enumerate(sources) if not isinstance(s, KVCache)]
             loader = LayerLoader(sources, self.cfg.num_layers, pipelined=self.pipelined and bool(lazy))
             try:
@@ -362,10 +362,10 @@ class Engine:
                         fused = fuse.blend(model, hit, sources, ids, suffix, r, prefix_tail=tail,
                                            rotate=self._rotate, loader=loader)
                 break
-            except CorruptEntryError as e:
-                for i in lazy:
+            except CorruptEntryError as e:  # drop that entry, recompute its chunk, fuse again
+                for i in (i for i in lazy if keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(keys[i], str(e))
-                    sources[i] = self._chunk_source(req.chunks[i], keys[i])
+                    sources[i] = self._compute_chunk(req.chunks[i], keys[i])
         if r is not None:
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
         writes.append(lambda: self._store_prefix(req.prefix, fused.cache))

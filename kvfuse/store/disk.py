@@ -38,7 +38,11 @@ SUFFIX = ".safetensors"
 
 
 class CorruptEntryError(Exception):
-    """A stored entry failed verification; it has been removed."""
+    """A stored entry failed verification; `key` says which, when it is known."""
+
+    def __init__(self, message: str, key: CacheKey | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +329,7 @@ class DiskEntry:
         """K and V of layer i, (kv_heads, T, head_dim) each, checksum-verified, as views of the file."""
         k, v = self._k[i], self._v[i]
         if _digest(k) != self._sum_k[i] or _digest(v) != self._sum_v[i]:
-            raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on layer {i}")
+            raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on layer {i}", self.info.key)
         return k, v
 
     def read_all(self) -> KVCache:
