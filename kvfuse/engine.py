@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -115,9 +115,9 @@ class Generation:
 class TokenStream:
     """Iterates a request's generated token ids; `result` is set once iteration ends. `close()` cancels."""
 
-    def __init__(self, gen: Iterator[int]) -> None:
-        self._gen = gen
+    def __init__(self, run: Callable[[TokenStream], Generator[int, None, None]]) -> None:
         self.result: Generation | None = None
+        self._gen = run(self)  # the generator records its Generation on this stream when it ends
 
     def __iter__(self) -> TokenStream:
         return self
@@ -126,7 +126,7 @@ class TokenStream:
         return next(self._gen)
 
     def close(self) -> None:
-        self._gen.close()  # type: ignore[attr-defined]
+        self._gen.close()
 
 
 class Engine:
@@ -381,9 +381,7 @@ class Engine:
         """Generate token ids one at a time; the stream's `result` holds timings and counts at the end."""
         params = params or SamplingParams()
         self.validate(req, mode, ratio, params.max_tokens)
-        stream = TokenStream(iter(()))
-        stream._gen = self._generate(req, mode, ratio, params, stream)
-        return stream
+        return TokenStream(lambda out: self._generate(req, mode, ratio, params, out))
 
     def generate(
         self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None
@@ -397,7 +395,7 @@ class Engine:
     @torch.inference_mode()
     def _generate(
         self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream
-    ) -> Iterator[int]:
+    ) -> Generator[int, None, None]:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
         pre = self.prefill(req, mode, ratio)
