@@ -53,7 +53,7 @@ def test_memory_tier_is_lru_by_bytes_and_keeps_pins() -> None:
     tier.pin("a")  # type: ignore[arg-type]
     assert tier.get("b") is not None  # type: ignore[arg-type]  # b is now more recent than c
     tier.put("d", _cache(4))  # type: ignore[arg-type]
-    assert "c" not in tier and {"a", "b", "d"} <= set(tier._entries)
+    assert "c" not in tier and {"a", "b", "d"} <= set(tier.keys())
     assert tier.used_bytes <= tier.capacity_bytes and tier.stats.evictions == 1
     assert not tier.put("huge", _cache(40))  # type: ignore[arg-type]
     assert tier.get("zzz") is None and tier.stats.misses == 1  # type: ignore[arg-type]

@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 from kvfuse.kv import KVCache
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
+from kvfuse.store.lru import LruIndex
 from kvfuse.store.memory import TierStats
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,10 @@ class DiskTier:
 
     def __init__(self, root: str | Path, capacity_bytes: int = 20 << 30, model_fp: str | None = None) -> None:
         self.root = Path(root)
-        self.capacity_bytes = capacity_bytes
         self.model_fp = model_fp
         self.stats = TierStats()
         self.corrupt = 0  # entries found corrupt and dropped, at the start-up scan or on a read
-        self._index: OrderedDict[CacheKey, EntryInfo] = OrderedDict()
-        self._pinned: set[CacheKey] = set()
+        self._index: LruIndex[EntryInfo] = LruIndex(capacity_bytes)
         self._lock = threading.RLock()
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -102,7 +100,7 @@ class DiskTier:
             if time.time() - tmp.stat().st_mtime > 3600:  # a writer that died long ago
                 tmp.unlink(missing_ok=True)
         for _, info in sorted(found, key=lambda x: x[0]):
-            self._index[info.key] = info
+            self._index.add(info.key, info, info.nbytes, evict=False)
 
     def _read_info(self, path: Path) -> EntryInfo:
         from safetensors import safe_open
@@ -125,11 +123,15 @@ class DiskTier:
         return len(self._index)
 
     def keys(self) -> list[CacheKey]:
-        return list(self._index)
+        return self._index.keys()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return sum(i.nbytes for i in self._index.values())
+        return self._index.used_bytes
 
     def info(self, key: CacheKey) -> EntryInfo | None:
         return self._index.get(key)
@@ -166,9 +168,9 @@ class DiskTier:
             return None
 
     def _touch(self, key: CacheKey) -> None:
-        self._index.move_to_end(key)
+        self._index.touch(key)
         try:
-            os.utime(self._index[key].path)
+            os.utime(self._path(key))
         except OSError:
             pass
 
@@ -176,8 +178,7 @@ class DiskTier:
         log.warning("dropping corrupt KV cache entry %s: %s", key[:12], why)
         with self._lock:
             self.corrupt += 1
-            info = self._index.pop(key, None)
-            self._pinned.discard(key)
+            info = self._index.pop(key)
             if info is not None:
                 self._drop_file(info.path)
 
@@ -227,47 +228,33 @@ class DiskTier:
             raise
         with self._lock:
             info = EntryInfo(key, path, len(data), len(cache), int(k.shape[0]))
-            self._index[key] = info
-            self._index.move_to_end(key)
-            if pin:
-                self._pinned.add(key)
-            self._evict()
+            self._drop_evicted(self._index.add(key, info, info.nbytes, pin))
         return True
 
     def pin(self, key: CacheKey) -> None:
         with self._lock:
-            if key in self._index:
-                self._pinned.add(key)
+            self._index.pin(key)
 
     def unpin(self, key: CacheKey) -> None:
         with self._lock:
-            self._pinned.discard(key)
-            self._evict()
+            self._drop_evicted(self._index.unpin(key))
 
     def delete(self, key: CacheKey) -> None:
         with self._lock:
-            info = self._index.pop(key, None)
-            self._pinned.discard(key)
+            info = self._index.pop(key)
             if info is not None:
                 self._drop_file(info.path)
 
     def clear(self) -> int:
         with self._lock:
             n = len(self._index)
-            for key in list(self._index):
+            for key in self._index.keys():
                 self.delete(key)
             return n
 
-    def _evict(self) -> None:
-        used = self.used_bytes
-        for key in list(self._index):
-            if used <= self.capacity_bytes:
-                return
-            if key in self._pinned:
-                continue
-            info = self._index.pop(key)
+    def _drop_evicted(self, evicted: list[EntryInfo]) -> None:
+        for info in evicted:
             self._drop_file(info.path)
-            used -= info.nbytes
             self.stats.evictions += 1
 
     def verify(self) -> Iterator[tuple[CacheKey, str | None]]:

@@ -20,8 +20,10 @@ class Tier(Protocol):
     """What a storage tier offers (memory and disk here; a shared Redis tier would add itself the same way)."""
 
     name: str
-    capacity_bytes: int
     stats: TierStats
+
+    @property
+    def capacity_bytes(self) -> int: ...
 
     def __contains__(self, key: CacheKey) -> bool: ...
     def get(self, key: CacheKey) -> KVCache | None: ...
