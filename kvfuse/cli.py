@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-file", help="text placed after the instruction head, cached as a prefix")
     g.add_argument("--chunk-file", action="append", default=[], help="a chunk's text file (repeatable, in order)")
     g.add_argument("--question", required=True, help="the question (the never-cached suffix)")
-    g.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], default="blend")
+    g.add_argument("--mode", choices=["full", "prefix", "reuse", "blend", "legolink"], default="blend")
     g.add_argument("--ratio", type=_ratio, default=None, help=RATIO_HELP)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")

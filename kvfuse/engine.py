@@ -8,7 +8,9 @@ A request is  prefix | chunks | suffix:
 Modes:  full    prefill everything (the oracle);
         prefix  reuse the longest cached prefix of prefix+chunks and prefill the rest (equals full);
         reuse   exact prefix, re-rotated chunk caches as they are, prefill the suffix;
-        blend   reuse, then CacheBlend's selective recompute (see fuse.py).
+        blend   reuse, then CacheBlend's selective recompute (see fuse.py);
+        legolink  reuse, recomputing the first `head_tokens` of every chunk on every layer (EPIC's
+                baseline: a fixed choice, no deviation).
 
 TTFT is measured here, from the moment a request enters `stream` to the moment its first token is
 chosen; it covers cache lookups, loads, any chunk computed on a miss, fusion and sampling.
@@ -22,6 +24,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +41,8 @@ from kvfuse.store.tiered import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
 
-MODES = ("full", "prefix", "reuse", "blend")
+MODES = ("full", "prefix", "reuse", "blend", "legolink")
+LEGOLINK_HEAD_TOKENS = 16
 Ratio = float | str | None  # a number in [0, 1], "auto" (the controller decides) or None (the default)
 BLOCK_SIZE = 16
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|
@@ -104,6 +108,8 @@ class Generation:
     ratio: float | None
     store: StoreStats = field(default_factory=StoreStats)  # this request's lookups
     controller: Decision | None = None  # blend's ratio and tier decision, when a controller is set
+    step_logits: torch.Tensor | None = None  # (steps, vocab) logits that chose each token, if recorded
+    scored_logits: torch.Tensor | None = None  # (len(score), vocab) teacher-forced logits, if asked
 
     def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
         """The k most likely first tokens as (token_id, logprob)."""
@@ -207,7 +213,7 @@ class Engine:
     def validate(self, req: Request, mode: str, ratio: Ratio = None, max_tokens: int = 0) -> None:
         if mode not in MODES:
             raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode in ("reuse", "blend") and self.blend_error:
+        if mode in ("reuse", "blend", "legolink") and self.blend_error:
             raise ModeUnavailableError(self.blend_error)
         if not req.suffix:
             raise RequestError("the request needs a non-empty suffix (the question)")
@@ -294,7 +300,7 @@ class Engine:
         if mode == "prefix":
             cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
             self._precompute_prefix(cacheable)
-        elif mode in ("reuse", "blend"):
+        elif mode in ("reuse", "blend", "legolink"):
             self._precompute_prefix(req.prefix)
             for c in req.chunks:
                 key = self._chunk_key(c)
@@ -313,7 +319,9 @@ class Engine:
     # -- prefill -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, req: Request, mode: str = "full", ratio: Ratio = None) -> Prefilled:
+    def prefill(
+        self, req: Request, mode: str = "full", ratio: Ratio = None, head_tokens: int = LEGOLINK_HEAD_TOKENS
+    ) -> Prefilled:
         """Build the request's KV cache and first-token logits in the given mode."""
         self.validate(req, mode, ratio)
         model, counts = self.model, TokenCounts(prompt=len(req))
@@ -332,7 +340,7 @@ class Engine:
             counts.reused, counts.prefilled = n_hit, len(req) - n_hit
             writes.append(lambda: self._store_prefix(cacheable, fused.cache))
             return Prefilled(fused, counts, mode, None, writes)
-        # reuse and blend: cached prefix blocks, the prefix's uncached tail computed with the suffix
+        # reuse, blend and legolink: cached prefix blocks, the prefix's uncached tail computed with the suffix
         hit = self._cached_prefix(req.prefix)
         n_hit = len(hit) * self.block_size
         tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
@@ -342,7 +350,7 @@ class Engine:
         keys = [self._chunk_key(c) for c in req.chunks]
         sources = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
         decision = None
-        if mode == "reuse":
+        if mode in ("reuse", "legolink"):
             r = None
         elif self.controller is not None:
             tier = "memory" if all(isinstance(s, KVCache) for s in sources) else "disk"
@@ -356,7 +364,10 @@ class Engine:
             loader = LayerLoader(sources, self.cfg.num_layers, pipelined=self.pipelined and bool(lazy))
             try:
                 with loader:
-                    if r is None:
+                    if mode == "legolink":
+                        fused = fuse.legolink(model, hit, sources, ids, suffix, head_tokens, prefix_tail=tail,
+                                              rotate=self._rotate, loader=loader)
+                    elif r is None:
                         fused = fuse.reuse(model, hit, sources, suffix, tail, rotate=self._rotate, loader=loader)
                     else:
                         fused = fuse.blend(model, hit, sources, ids, suffix, r, prefix_tail=tail,
@@ -366,7 +377,7 @@ class Engine:
                 for i in (i for i in lazy if keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(keys[i], str(e))
                     sources[i] = self._compute_chunk(req.chunks[i], keys[i])
-        if r is not None:
+        if mode in ("blend", "legolink"):
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
         writes.append(lambda: self._store_prefix(req.prefix, fused.cache))
         for i in lazy:  # after the request: promote what came from disk into memory, from the layers read
@@ -376,17 +387,35 @@ class Engine:
     # -- decoding ----------------------------------------------------------------------------------
 
     def stream(
-        self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None
+        self,
+        req: Request,
+        mode: str = "full",
+        ratio: Ratio = None,
+        params: SamplingParams | None = None,
+        *,
+        head_tokens: int = LEGOLINK_HEAD_TOKENS,
+        score: Sequence[int] | None = None,
+        record_logits: bool = False,
     ) -> TokenStream:
-        """Generate token ids one at a time; the stream's `result` holds timings and counts at the end."""
+        """Generate token ids one at a time; the stream's `result` holds timings and counts at the end.
+
+        `score` is a continuation to teacher-force on the same prompt cache after the first token
+        (its logits land in `result.scored_logits`; not part of TTFT); `record_logits` keeps the
+        logits of every generated step in `result.step_logits`."""
         params = params or SamplingParams()
         self.validate(req, mode, ratio, params.max_tokens)
-        return TokenStream(lambda out: self._generate(req, mode, ratio, params, out))
+        opts = _Extras(head_tokens, tuple(score) if score is not None else None, record_logits)
+        return TokenStream(lambda out: self._generate(req, mode, ratio, params, out, opts))
 
     def generate(
-        self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None
+        self,
+        req: Request,
+        mode: str = "full",
+        ratio: Ratio = None,
+        params: SamplingParams | None = None,
+        **extras: Any,
     ) -> Generation:
-        stream = self.stream(req, mode, ratio, params)
+        stream = self.stream(req, mode, ratio, params, **extras)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -394,11 +423,11 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(
-        self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream
+        self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream, opts: _Extras
     ) -> Generator[int, None, None]:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
-        pre = self.prefill(req, mode, ratio)
+        pre = self.prefill(req, mode, ratio, opts.head_tokens)
         store_stats = self.store.stats.since(before)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
@@ -407,6 +436,8 @@ class Engine:
         first_logits = pre.fused.logits
         tok = sample(first_logits, params, gen)
         ttft = time.perf_counter() - t0
+        scored = self._score(pre.fused, opts.score) if opts.score else None
+        steps: list[torch.Tensor] | None = [first_logits] if opts.record_logits else None
         tokens = [tok]
         finish = "length"
         try:
@@ -418,7 +449,10 @@ class Engine:
                 return
             decoder = _Decoder(self.model, pre.fused.cache, params.max_tokens)
             while len(tokens) < params.max_tokens:
-                tok = sample(decoder.step(tok), params, gen)
+                logits = decoder.step(tok)
+                if steps is not None:
+                    steps.append(logits)
+                tok = sample(logits, params, gen)
                 tokens.append(tok)
                 if tok in stop:
                     finish = "stop"
@@ -431,8 +465,21 @@ class Engine:
                 tokens.pop()  # the stop token is not part of the output
             out.result = Generation(
                 tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio, store_stats,
-                pre.controller,
+                pre.controller, torch.stack(steps).float() if steps else None, scored,
             )
+
+    def _score(self, fused: fuse.Fused, ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits (len(ids), vocab): row i predicts ids[i] after the prompt and ids[:i]."""
+        decoder = _Decoder(self.model, fused.cache, len(ids))
+        rows = [fused.logits] + [decoder.step(t) for t in ids[:-1]]
+        return torch.stack(rows).float()
+
+
+@dataclass(frozen=True, slots=True)
+class _Extras:
+    head_tokens: int
+    score: tuple[int, ...] | None
+    record_logits: bool
 
 
 class _Decoder:

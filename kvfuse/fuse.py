@@ -198,6 +198,29 @@ def blend(
     return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader)
 
 
+def legolink(
+    model: Decoder,
+    prefix: KVCache | Sequence[KVCache],
+    chunks: Sequence[LayerSource],
+    chunk_ids: Sequence[torch.Tensor],
+    suffix: torch.Tensor,
+    head_tokens: int = 16,
+    prefix_tail: torch.Tensor | None = None,
+    rotate: Rerotate = rerotate,
+    loader: LayerLoader | None = None,
+) -> Fused:
+    """EPIC's LegoLink baseline: recompute the first head_tokens of every chunk on every layer, no deviation."""
+    if head_tokens < 0:
+        raise ValueError(f"head_tokens must be >= 0, got {head_tokens}")
+    heads, at = [], 0
+    for c in chunks:
+        heads.append(torch.arange(at, at + min(head_tokens, len(c))))
+        at += len(c)
+    fixed = torch.cat(heads) if heads else torch.empty(0, dtype=torch.int64)
+    keep = [int(fixed.shape[0])] * model.cfg.num_layers
+    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader, fixed)
+
+
 def fuse_chunks(
     model: Decoder,
     prefix: KVCache | Sequence[KVCache],
@@ -208,18 +231,20 @@ def fuse_chunks(
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> Fused:
     """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
 
     The prefix is an exact cache; prefix_tail (the uncached end of the prefix) and the suffix are
     computed on every layer; on layer l the keep[l] chunk tokens of highest KV deviation among the
     previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids).
-    Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time."""
+    Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time.
+    `candidates` (sorted chunk-token indices) replaces "every chunk token" as layer 0's set."""
     cfg = model.cfg
     if suffix.numel() == 0:
         raise ValueError("fusing chunks needs a non-empty suffix")
     n_c = sum(len(c) for c in chunks)
-    if keep[0] and [len(c) for c in chunks] != [len(t) for t in chunk_ids]:
+    if (keep[0] or candidates is not None) and [len(c) for c in chunks] != [len(t) for t in chunk_ids]:
         raise ValueError("every chunk cache needs its token ids, of the same length")
     tail = prefix_tail if prefix_tail is not None else torch.empty(0, dtype=torch.int64)
     parts = [prefix] if isinstance(prefix, KVCache) else list(prefix)
@@ -232,10 +257,16 @@ def fuse_chunks(
     pos_all = torch.arange(total)
 
     # Rows of h: the prefix tail, the candidate chunk tokens (as indices into the chunk span), the suffix.
-    cand = torch.arange(n_c) if keep[0] else torch.empty(0, dtype=torch.int64)
+    if candidates is not None:
+        cand = candidates.to(torch.int64)
+    else:
+        cand = torch.arange(n_c) if keep[0] else torch.empty(0, dtype=torch.int64)
+    if keep[0] > cand.shape[0]:
+        raise ValueError(f"layer 0 keeps {keep[0]} tokens but there are only {cand.shape[0]} candidates")
     fixed_lo, fixed_hi = torch.arange(p, start), torch.arange(n, total)
     n_lo = fixed_lo.shape[0]
-    h = model.embed(torch.cat([tail, *(chunk_ids if keep[0] else []), suffix]))
+    cand_ids = torch.cat(list(chunk_ids))[cand] if cand.numel() else torch.empty(0, dtype=torch.int64)
+    h = model.embed(torch.cat([tail, cand_ids, suffix]))
     selected: list[torch.Tensor] = []
     recomputed = 0
     own_loader = loader is None

@@ -163,3 +163,33 @@ def test_self_check_catches_a_blend_that_is_not_exact(tiny_models, monkeypatch) 
     monkeypatch.setattr(fuse, "blend", off_by_a_bit)
     e = Engine(lm.model, lm.fingerprint)
     assert e.blend_error and "blend at ratio 1.0 differs from full" in e.blend_error
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_legolink_bounds(tiny_engines, family: str) -> None:
+    """Recomputing every chunk token (K >= the longest chunk) is full prefill; K = 0 is plain reuse."""
+    e = tiny_engines[family]
+    req = _request(7)
+    e.precompute(req, "legolink")
+    full = e.generate(req, "full", params=GREEDY)
+    whole = e.generate(req, "legolink", params=GREEDY, head_tokens=max(len(c) for c in req.chunks))
+    none = e.generate(req, "legolink", params=GREEDY, head_tokens=0)
+    reuse = e.generate(req, "reuse", params=GREEDY)
+    assert (whole.first_logits - full.first_logits).abs().max() < 1e-4
+    assert whole.counts.recomputed == sum(len(c) for c in req.chunks)
+    assert torch.allclose(none.first_logits, reuse.first_logits, atol=1e-5)
+    some = e.generate(req, "legolink", params=GREEDY, head_tokens=4)
+    assert some.counts.recomputed == 4 * len(req.chunks)
+    assert (some.first_logits - full.first_logits).abs().max() > 1e-4  # a partial recompute is not exact
+
+
+def test_scored_logits_are_teacher_forced(tiny_engines) -> None:
+    """Scoring the full-mode greedy answer reproduces the logits that generated it, step for step."""
+    e = tiny_engines["qwen3"]
+    req = _request(8)
+    full = e.generate(req, "full", params=GREEDY, record_logits=True)
+    assert full.step_logits is not None and full.step_logits.shape[0] == len(full.tokens)
+    again = e.generate(req, "full", params=SamplingParams(max_tokens=1, ignore_eos=True), score=full.tokens)
+    assert again.scored_logits is not None
+    assert (again.scored_logits - full.step_logits).abs().max() < 1e-4
+    assert [int(t) for t in again.scored_logits.argmax(-1)] == full.tokens
