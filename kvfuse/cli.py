@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("action", choices=["stats", "verify", "clear"])
     st.add_argument("--store", default=None, help="store directory (default: the user cache dir)")
 
+    from kvfuse.eval.cli import register as register_eval
+
+    register_eval(sub)
+
     d = sub.add_parser("demo", help="answer a bundled question with full and blend, and compare TTFT")
     d.add_argument("--model", default=None)
     return p
@@ -103,6 +107,8 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "func"):
+        return int(args.func(args))
     commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store,
                 "profile": cmd_profile}
     return commands[args.command](args)

@@ -48,6 +48,8 @@ DEFAULT_RATIO = 0.15
 DEFAULT_FILTER_LAYERS = 2
 
 Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], torch.Tensor]
+# (k_new, v_new, k_old, v_old) -> per-token deviation (T,); swap it for ablations (random choice, say)
+Deviation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -191,11 +193,13 @@ def blend(
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
+    deviation: Deviation | None = None,
 ) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     n_c = sum(len(c) for c in chunks)
     keep = keep_schedule(model.cfg.num_layers, n_c, ratio, filter_layers)
-    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader)
+    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader,
+                       deviation=deviation)
 
 
 def legolink(
@@ -232,6 +236,7 @@ def fuse_chunks(
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
     candidates: torch.Tensor | None = None,
+    deviation: Deviation | None = None,
 ) -> Fused:
     """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
 
@@ -239,7 +244,9 @@ def fuse_chunks(
     computed on every layer; on layer l the keep[l] chunk tokens of highest KV deviation among the
     previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids).
     Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time.
-    `candidates` (sorted chunk-token indices) replaces "every chunk token" as layer 0's set."""
+    `candidates` (sorted chunk-token indices) replaces "every chunk token" as layer 0's set;
+    `deviation` replaces `kv_deviation` as the score the kept tokens are ranked by."""
+    score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
     if suffix.numel() == 0:
         raise ValueError("fusing chunks needs a non-empty suffix")
@@ -281,7 +288,7 @@ def fuse_chunks(
             if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
                 k, v = model.key_value(i, h, rows)
                 span = slice(n_lo, n_lo + nc)
-                dev = kv_deviation(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
+                dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
                 top = torch.topk(dev, keep[i]).indices.sort().values
                 sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
                 h = h[sel]

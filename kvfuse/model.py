@@ -169,6 +169,18 @@ class Decoder(nn.Module):
             out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
+    def attention_weights(
+        self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention probabilities (heads, Tq, Tk) that `attend` applies; for analysis, not speed."""
+        cfg = self.cfg
+        k = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 0)
+        scores = (q.float() @ k.float().transpose(1, 2)) * cfg.query_scale
+        if cfg.attn_softcap is not None:
+            scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+        scores = scores.masked_fill(~attention_mask(q_pos, k_pos, cfg.window(i)), float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
     def finish(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP of layer i for the tokens whose attention output is given."""
         blk = self.block(i)

@@ -39,6 +39,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids with the (start, end) character span of each in text."""
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 

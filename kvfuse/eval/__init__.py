@@ -1,0 +1,1 @@
+"""The evaluation harness: retrieval as in CacheBlend, methods, metrics, reports, insight figures, datasets."""
