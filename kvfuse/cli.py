@@ -73,9 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfuse.eval.cli import register as register_eval
 
     register_eval(sub)
+    from kvfuse.kb.cli import register as register_kb
 
-    d = sub.add_parser("demo", help="answer a bundled question with full and blend, and compare TTFT")
+    register_kb(sub)
+
+    d = sub.add_parser("demo", help="the Albarán demo: CAG from a persisted cache, then the hybrid with a ticket")
     d.add_argument("--model", default=None)
+    d.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
     return p
 
 
@@ -256,7 +260,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvfuse.demo import run_demo
 
-    return run_demo(args.model)
+    return run_demo(args.model, args.store)
 
 
 if __name__ == "__main__":  # pragma: no cover

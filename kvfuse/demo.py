@@ -1,35 +1,71 @@
-"""`make run`: answer a bundled cross-passage question with `full` and `blend`, and compare TTFT."""
+"""`make run`: the Albarán demo. CAG answers a policy question from a persisted knowledge cache; then the
+hybrid fuses a retrieved support ticket after the same cached prefix with blend."""
 
 from __future__ import annotations
 
-import json
-from importlib import resources
+from pathlib import Path
 
-from kvfuse.engine import Engine
-from kvfuse.sampling import SamplingParams
-from kvfuse.text import Prompt, Tokenizer, complete_text
-from kvfuse.weights import resolve_model_path
+from kvfuse.kb.base import Answer, KnowledgeBase
+
+QUESTION = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+TICKET_QUESTION = "Is the customer on ticket 4812 entitled to a refund?"
+GROUP = "support"
 
 
-def run_demo(model: str | None = None) -> int:
-    data = json.loads(resources.files("kvfuse").joinpath("data/demo.json").read_text(encoding="utf-8"))
+def _show(a: Answer) -> None:
+    print(f"  answer: {a.answer!r}")
+    for c in a.citations:
+        if c.source == "retrieval":
+            print(f"  supporting passage (found by retrieval, not quoted by the model) [{c.doc_id}]: \"{c.quote}\"")
+        elif c.verified:
+            print(f"  quote check: VERIFIED in {c.doc_id} at characters {c.start}-{c.end}: \"{c.quote}\"")
+        else:
+            print(f"  quote check: NOT FOUND in any source document: \"{c.quote}\"")
+    t = a.tokens
+    print(f"  TTFT {a.ttft_s * 1000:.0f} ms; prompt {t['prompt']} tokens, {t['cached']} from the cache, "
+          f"{t['computed']} computed; cached-token share {a.cached_token_share:.1%}")
+    cu = a.cost_units
+    print(f"  cost units: write {cu['write']:.0f} + read {cu['read']:.0f} + uncached {cu['uncached']:.0f} = "
+          f"{cu['total']:.0f} (without a cache: {t['prompt']})")
+
+
+def run_demo(model: str | None = None, store: str | None = None) -> int:
+    from kvfuse.engine import Engine
+    from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import cache_dir, resolve_model_path
+
     print("Loading the model (the first run converts Gemma 3 270M once)...", flush=True)
+    store_dir = Path(store) if store else cache_dir() / "store"
     path = resolve_model_path(model)
-    engine = Engine.load(path)
-    tok = Tokenizer(path)
-    prompt = Prompt(chunks=tuple(data["passages"]), question=data["question"])
-    req = prompt.request(tok)
-    params = SamplingParams(max_tokens=24)
-    print(f"\nQuestion: {data['question']}  (expected: {data['answer']})")
-    print(f"Context: {len(data['passages'])} passages, {len(req)} tokens\n")
-    for mode in ("full", "blend"):
-        precompute_s = engine.precompute(req, mode)
-        stream = engine.stream(req, mode, None, params)
-        answer = complete_text(stream, tok).strip()
-        res = stream.result
-        assert res is not None
-        extra = f", chunk caches precomputed in {precompute_s:.3f}s beforehand" if mode == "blend" else ""
-        print(f"{mode:>5}: {answer!r}")
-        print(f"       TTFT {res.ttft_s * 1000:.0f} ms, recomputed {res.counts.recomputed} of "
-              f"{res.counts.reused} reused tokens{extra}")
+    engine, tok = Engine.load(path, store_dir=store_dir), Tokenizer(path)
+    kb = KnowledgeBase.open("albaran", engine, tok, state_dir=store_dir)
+    r = kb.build(GROUP, progress=True)
+    if r.loaded:
+        print(f"Loaded the persisted Albarán cache ({r.tokens_total} tokens, group {GROUP}) in {r.build_s:.2f} s.")
+    else:
+        print(f"Built the Albarán cache: {r.tokens_total} tokens ({r.tokens_recomputed} computed, "
+              f"{r.tokens_reused} reused) in {r.build_s:.1f} s, {r.bytes / 2**20:.0f} MiB, stored in {store_dir}.")
+
+    print(f"\n1. CAG, from the cached policies\n  question: {QUESTION}\n  (the Team terms say 30 calendar days; "
+          "the FAQ's general rule of 14 days is the trap)")
+    _show(kb.ask(QUESTION, GROUP))
+
+    index_dir = cache_dir() / "indexes" / "albaran-tickets"
+    try:
+        index = Index.load(index_dir)
+    except RetrievalIndexError:
+        from importlib import resources
+
+        root = Path(str(resources.files("kvfuse").joinpath("data/albaran-tickets")))
+        docs = [SourceDoc(f.stem, f.read_text(encoding="utf-8").splitlines()[0], f.read_text(encoding="utf-8"))
+                for f in sorted(root.glob("ticket-*.md"))]
+        index = Index.build(docs, tok, chunk_tokens=256, overlap=32)
+        index.save(index_dir)
+    hits = index.search(TICKET_QUESTION, 1, "hybrid", GROUP)
+    print(f"\n2. Hybrid: the cached policies, plus {hits[0].chunk.doc_id} retrieved and fused with blend\n"
+          f"  question: {TICKET_QUESTION}")
+    _show(kb.ask(TICKET_QUESTION, GROUP, chunks=[h.chunk for h in hits], ratio=0.15))
+    engine.store.flush()
+    print("\nRun it again: the second run loads the persisted cache instead of rebuilding it.")
     return 0

@@ -36,7 +36,7 @@ from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
 from kvfuse.sampling import SamplingParams, sample
 from kvfuse.store.disk import CorruptEntryError
-from kvfuse.store.keys import BlockHash, ChunkKey, chunk_key, prefix_block_hashes, root_hash
+from kvfuse.store.keys import BlockHash, ChunkKey, Salt, chunk_key, prefix_block_hashes, root_hash
 from kvfuse.store.tiered import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class Request:
     suffix: tuple[int, ...]
     prefix: tuple[int, ...] = ()
     chunks: tuple[tuple[int, ...], ...] = ()
+    salts: tuple[Salt, ...] = ()  # extra keys for the prefix blocks over given token ranges (tenants, groups)
+    chunk_salt: str = ""  # an extra key for every chunk cache of this request (a tenant's own documents)
 
     @property
     def ids(self) -> list[int]:
@@ -239,39 +241,47 @@ class Engine:
     def _root(self) -> BlockHash:
         return root_hash(self.fingerprint, self.kv_dtype)
 
-    def _cached_prefix(self, tokens: Sequence[int]) -> list[KVCache]:
+    def block_hashes(self, tokens: Sequence[int], salts: Sequence[Salt] = ()) -> list[BlockHash]:
+        """The chained store keys of the full blocks of a prefix."""
+        return prefix_block_hashes(self._root(), tokens, self.block_size, salts=salts)
+
+    def _cached_prefix(self, tokens: Sequence[int], salts: Sequence[Salt] = ()) -> list[KVCache]:
         """The longest run of cached full blocks at the start of tokens, in order."""
         blocks = []
         dtype = self.model.embed_tokens.weight.dtype
-        for h in prefix_block_hashes(self._root(), tokens, self.block_size):
+        for h in self.block_hashes(tokens, salts):
             c = self.store.get(h)
             if c is None:
                 break
             blocks.append(c.to(dtype))
         return blocks
 
-    def _store_prefix(self, tokens: Sequence[int], cache: KVCache) -> None:
+    def _store_prefix(
+        self, tokens: Sequence[int], cache: KVCache, salts: Sequence[Salt] = (), pin: bool = False
+    ) -> None:
         """Store every full block of tokens not yet in the store (cache covers at least tokens)."""
         bs = self.block_size
-        for j, h in enumerate(prefix_block_hashes(self._root(), tokens, bs)):
+        for j, h in enumerate(self.block_hashes(tokens, salts)):
             if h not in self.store:
-                self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone())
+                self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone(), pin=pin)
+            elif pin:
+                self.store.pin(h)
 
-    def _exact_prefix(self, tokens: Sequence[int]) -> KVCache:
+    def _exact_prefix(self, tokens: Sequence[int], salts: Sequence[Salt] = ()) -> KVCache:
         """The exact KV of a prefix: cached blocks plus a prefill of the rest."""
-        hit = self._cached_prefix(tokens)
+        hit = self._cached_prefix(tokens, salts)
         n_hit = len(hit) * self.block_size
         if n_hit == len(tokens):
             return KVCache.concat(hit) if hit else KVCache.empty(self.cfg)
         rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
         return fuse.prefill(self.model, rest, past=hit).cache
 
-    def _chunk_key(self, chunk: Sequence[int]) -> ChunkKey:
-        return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk)
+    def _chunk_key(self, chunk: Sequence[int], salt: str = "") -> ChunkKey:
+        return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk, salt)
 
-    def chunk_cache(self, chunk: Sequence[int]) -> tuple[KVCache, bool]:
+    def chunk_cache(self, chunk: Sequence[int], salt: str = "") -> tuple[KVCache, bool]:
         """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
-        key = self._chunk_key(chunk)
+        key = self._chunk_key(chunk, salt)
         cache = self.store.get(key)
         if cache is not None:
             return cache, True
@@ -292,29 +302,43 @@ class Engine:
         return cache
 
     @torch.inference_mode()
-    def precompute(self, req: Request, mode: str) -> float:
-        """Prepare the caches that `mode` reuses for this request; returns the seconds spent."""
+    def precompute(self, req: Request, mode: str, pin: bool = False) -> float:
+        """Prepare the caches that `mode` reuses for this request; returns the seconds spent.
+
+        With pin, the prefix blocks are pinned in the store (a knowledge base's prefix is never evicted)."""
         if mode == "full":
             return 0.0
         t0 = time.perf_counter()
         if mode == "prefix":
             cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
-            self._precompute_prefix(cacheable)
+            self.precompute_prefix(cacheable, req.salts, pin)
         elif mode in ("reuse", "blend", "legolink"):
-            self._precompute_prefix(req.prefix)
+            self.precompute_prefix(req.prefix, req.salts, pin)
             for c in req.chunks:
-                key = self._chunk_key(c)
+                key = self._chunk_key(c, req.chunk_salt)
                 if key not in self.store:  # cached in any tier is enough: the request loads it
                     self._compute_chunk(c, key)
         return time.perf_counter() - t0
 
-    def _precompute_prefix(self, tokens: Sequence[int]) -> None:
-        n_full = len(tokens) // self.block_size * self.block_size
+    @torch.inference_mode()
+    def precompute_prefix(self, tokens: Sequence[int], salts: Sequence[Salt] = (), pin: bool = False) -> int:
+        """Store the full blocks of a prefix, computing only those not cached; returns the tokens computed."""
+        hashes = self.block_hashes(tokens, salts)
+        n_full = len(hashes) * self.block_size
         if n_full == 0:
-            return
-        if all(h in self.store for h in prefix_block_hashes(self._root(), tokens, self.block_size)):
-            return  # cached in some tier; the request itself loads it
-        self._store_prefix(tokens, self._exact_prefix(tokens[:n_full]))
+            return 0
+        cached = 0
+        for h in hashes:
+            if h not in self.store:
+                break
+            cached += 1
+        if cached == len(hashes):  # cached in some tier; the request itself loads it
+            if pin:
+                for h in hashes:
+                    self.store.pin(h)
+            return 0
+        self._store_prefix(tokens, self._exact_prefix(tokens[:n_full], salts), salts, pin)
+        return n_full - cached * self.block_size
 
     # -- prefill -----------------------------------------------------------------------------------
 
@@ -333,21 +357,21 @@ class Engine:
             return Prefilled(fused, counts, mode, None)
         if mode == "prefix":
             cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
-            hit = self._cached_prefix(cacheable)
+            hit = self._cached_prefix(cacheable, req.salts)
             n_hit = len(hit) * self.block_size
             rest = torch.tensor(cacheable[n_hit:] + list(req.suffix), dtype=torch.int64)
             fused = fuse.prefill(model, rest, past=hit)
             counts.reused, counts.prefilled = n_hit, len(req) - n_hit
-            writes.append(lambda: self._store_prefix(cacheable, fused.cache))
+            writes.append(lambda: self._store_prefix(cacheable, fused.cache, req.salts))
             return Prefilled(fused, counts, mode, None, writes)
         # reuse, blend and legolink: cached prefix blocks, the prefix's uncached tail computed with the suffix
-        hit = self._cached_prefix(req.prefix)
+        hit = self._cached_prefix(req.prefix, req.salts)
         n_hit = len(hit) * self.block_size
         tail = torch.tensor(req.prefix[n_hit:], dtype=torch.int64)
         counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
         ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
-        keys = [self._chunk_key(c) for c in req.chunks]
+        keys = [self._chunk_key(c, req.chunk_salt) for c in req.chunks]
         sources = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
         decision = None
         if mode in ("reuse", "legolink"):
@@ -379,7 +403,7 @@ class Engine:
                     sources[i] = self._compute_chunk(req.chunks[i], keys[i])
         if mode in ("blend", "legolink"):
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
-        writes.append(lambda: self._store_prefix(req.prefix, fused.cache))
+        writes.append(lambda: self._store_prefix(req.prefix, fused.cache, req.salts))
         for i in lazy:  # after the request: promote what came from disk into memory, from the layers read
             writes.append(partial(self._promote, keys[i], [kv[i] for kv in loader.loaded], sources[i].positions))
         return Prefilled(fused, counts, mode, r, writes, decision)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NewType
 
 import torch
@@ -30,8 +31,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def chunk_key(model_fp: str, dtype: torch.dtype, preamble: Sequence[int], tokens: Sequence[int]) -> ChunkKey:
-    return ChunkKey(_digest("chunk", CACHE_FORMAT_VERSION, model_fp, dtype_name(dtype), list(preamble), list(tokens)))
+def chunk_key(
+    model_fp: str, dtype: torch.dtype, preamble: Sequence[int], tokens: Sequence[int], salt: str = ""
+) -> ChunkKey:
+    parts: list[object] = ["chunk", CACHE_FORMAT_VERSION, model_fp, dtype_name(dtype), list(preamble), list(tokens)]
+    if salt:  # unsalted keys stay as they were, so caches stored before salts existed are still found
+        parts.append(salt)
+    return ChunkKey(_digest(*parts))
 
 
 def root_hash(model_fp: str, dtype: torch.dtype) -> BlockHash:
@@ -43,13 +49,34 @@ def hash_block_tokens(parent: BlockHash, tokens: Sequence[int], extra_keys: Sequ
     return BlockHash(_digest(parent, list(tokens), list(extra_keys)))
 
 
+@dataclass(frozen=True, slots=True)
+class Salt:
+    """An extra key for the prefix blocks that overlap tokens [start, end): a tenant, a group, a version."""
+
+    start: int
+    end: int
+    key: str
+
+
+def block_extra_keys(salts: Sequence[Salt], start: int, end: int) -> list[str]:
+    """The keys of the salts overlapping [start, end), sorted and without repeats."""
+    return sorted({s.key for s in salts if s.start < end and start < s.end})
+
+
 def prefix_block_hashes(
-    root: BlockHash, tokens: Sequence[int], block_size: int, extra_keys: Sequence[str] = ()
+    root: BlockHash, tokens: Sequence[int], block_size: int, extra_keys: Sequence[str] = (),
+    salts: Sequence[Salt] = (),
 ) -> list[BlockHash]:
-    """Chained hashes of the full blocks of tokens (a trailing partial block is not cacheable)."""
+    """Chained hashes of the full blocks of tokens (a trailing partial block is not cacheable).
+
+    Every block gets extra_keys, plus the keys of the salts whose range it overlaps (per-range salts:
+    a tenant's private documents are salted, shared ones are not). Because hashes chain, a block after
+    a salted one is as private as it is."""
     hashes: list[BlockHash] = []
     parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tokens[start : start + block_size], extra_keys)
+        end = start + block_size
+        keys = list(extra_keys) + block_extra_keys(salts, start, end) if salts else extra_keys
+        parent = hash_block_tokens(parent, tokens[start:end], keys)
         hashes.append(parent)
     return hashes

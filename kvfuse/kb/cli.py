@@ -1,0 +1,286 @@
+"""`kvfuse kb build|stats`, `kvfuse ask`, `kvfuse compare` and `kvfuse index build`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    kb = sub.add_parser("kb", help="build a knowledge base's cached prefix, or print its stats and daily cost")
+    kb.add_argument("action", choices=["build", "stats"])
+    kb.add_argument("dir", help="knowledge-base directory (with kb.toml), or albaran for the bundled demo")
+    kb.add_argument("--group", default=None, help="access group (default: the one that reads the fewest documents)")
+    kb.add_argument("--tenant", default=None, help="tenant whose salt keys the private documents' cache blocks")
+    kb.add_argument("--questions-per-day", type=int, default=600, help="stats: questions per day")
+    kb.add_argument("--edits-per-day", type=int, default=10, help="stats: document edits per day")
+    kb.add_argument("--rag-tokens", type=int, default=2000, help="stats: tokens RAG retrieves per question")
+    _common(kb)
+    kb.set_defaults(func=cmd_kb)
+
+    a = sub.add_parser("ask", help="answer a question from a knowledge base's cached prefix (and retrieved chunks)")
+    a.add_argument("question")
+    a.add_argument("--kb", required=True, help="knowledge-base directory, or albaran")
+    a.add_argument("--group", default=None)
+    a.add_argument("--tenant", default=None)
+    a.add_argument("--index", default=None, help="a retrieval index (kvfuse index build): the hybrid, top chunks "
+                                                 "fused after the cached prefix with blend")
+    a.add_argument("--top-k", type=int, default=2, help="chunks retrieved from --index")
+    a.add_argument("--retriever", choices=["bm25", "dense", "hybrid"], default="hybrid")
+    a.add_argument("--ratio", default=None, help="blend's recompute ratio for the fused chunks (or auto)")
+    a.add_argument("--max-tokens", type=int, default=32)
+    a.add_argument("--no-quote", action="store_true", help="skip the quote request")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    _common(a)
+    a.set_defaults(func=cmd_ask)
+
+    c = sub.add_parser("compare", help="CAG against full prefill and RAG on a question set")
+    c.add_argument("--kb", required=True)
+    c.add_argument("--questions", required=True, help="JSON list of {question, answers, doc_id?, group?}")
+    c.add_argument("--methods", default="cag,full,rag-bm25@4,rag-dense@4,rag-hybrid@4")
+    c.add_argument("--group", default=None, help="group for questions that name none")
+    c.add_argument("--cases", type=int, default=None, help="only the first N questions")
+    c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--out", default=None, help="directory for compare.json, compare.md and compare.png")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _common(c)
+    c.set_defaults(func=cmd_compare)
+
+    ix = sub.add_parser("index", help="build a retrieval index (BM25 + dense) over documents")
+    ix.add_argument("action", choices=["build"])
+    ix.add_argument("src", help="a knowledge-base directory (or albaran), or a directory of .md/.txt files "
+                                "(albaran-tickets: the bundled tickets)")
+    ix.add_argument("--out", required=True, help="index directory to write")
+    ix.add_argument("--chunk-tokens", type=int, default=256)
+    ix.add_argument("--overlap", type=int, default=32)
+    ix.add_argument("--model", default=None, help="the checkpoint whose tokenizer sizes the chunks")
+    ix.set_defaults(func=cmd_index)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M)")
+    p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _fail(e: Exception) -> SystemExit:
+    return SystemExit(f"kvfuse: {e}")
+
+
+def open_kb(path: str, model: str | None, store: str | None) -> Any:
+    from kvfuse.engine import Engine
+    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.kb.manifest import KBError, load_manifest
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import cache_dir, resolve_model_path
+
+    try:
+        manifest = load_manifest(path)  # fail on a bad knowledge base before loading the model
+    except KBError as e:
+        raise _fail(e) from None
+    store_dir = Path(store) if store else cache_dir() / "store"
+    mpath = resolve_model_path(model)
+    engine = Engine.load(mpath, store_dir=store_dir)
+    return KnowledgeBase(engine, Tokenizer(mpath), manifest, state_dir=store_dir)
+
+
+def default_group(manifest: Any) -> str:
+    """Least privilege: the group that may read the fewest documents."""
+    return str(min(manifest.groups, key=lambda g: (len(manifest.readable(g)), g)))
+
+
+def _group(kb: Any, group: str | None) -> str:
+    from kvfuse.kb.manifest import KBError
+
+    g = group or default_group(kb.manifest)
+    if g not in kb.manifest.groups:
+        raise _fail(KBError(f"unknown group {g!r}; {kb.name} has groups {', '.join(kb.manifest.groups)}"))
+    return g
+
+
+def cmd_kb(args: argparse.Namespace) -> int:
+    from kvfuse.kb.manifest import KBError
+
+    if args.action == "stats":
+        return _stats(args)
+    kb = open_kb(args.dir, args.model, args.store)
+    try:
+        report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
+    except KBError as e:
+        raise _fail(e) from None
+    print(json.dumps(report.as_dict()))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvfuse.kb.cost import CostModel
+    from kvfuse.kb.manifest import KBError, load_manifest
+    from kvfuse.kb.prefix import plan_prefix
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import cache_dir, resolve_model_path
+
+    if args.questions_per_day < 0 or args.edits_per_day < 0:
+        raise SystemExit("kvfuse: --questions-per-day and --edits-per-day cannot be negative")
+    try:
+        m = load_manifest(args.dir)
+        tok = Tokenizer(resolve_model_path(args.model))
+        group = args.group or default_group(m)
+        plan = plan_prefix(m, tok, group)
+    except KBError as e:
+        raise _fail(e) from None
+    by_stability: dict[str, int] = {}
+    for seg in plan.segments:
+        if seg.name != "instructions":
+            st = str(m.document(seg.name).stability)
+            by_stability[st] = by_stability.get(st, 0) + seg.end - seg.start
+    last = max(m.document(s.name).stability for s in plan.segments if s.name != "instructions")
+    first_volatile = min(s.start for s in plan.segments if s.name != "instructions"
+                         and m.document(s.name).stability == last)
+    total = len(plan.ids)
+    costs = CostModel()
+    writes = 1 + args.edits_per_day  # the morning build, then one rewrite per edit
+    seed_style = costs.daily(total, args.questions_per_day, writes, rag_tokens=args.rag_tokens)
+    edit_aware = costs.daily(total, args.questions_per_day, writes, rewrite_tokens=total - first_volatile,
+                             rag_tokens=args.rag_tokens)
+    # the morning build writes everything; edits of the most volatile group rewrite from it to the end
+    edit_aware["cag"]["write"] = round((total + args.edits_per_day * (total - first_volatile)) * costs.write, 1)
+    edit_aware["cag"]["total"] = round(edit_aware["cag"]["write"] + edit_aware["cag"]["read"], 1)
+    store = Path(args.store) if args.store else cache_dir() / "store"
+    usage_path = store / "kb" / m.name / "usage.json"
+    usage = json.loads(usage_path.read_text()) if usage_path.is_file() else {}
+    g = usage.get(group, {})
+    out = {
+        "kb": m.name, "group": group, "kb_version": plan.version, "documents": len(plan.documents),
+        "prefix_tokens": total, "tokens_by_stability": by_stability,
+        "questions_per_day": args.questions_per_day, "edits_per_day": args.edits_per_day,
+        "cost_units": costs.as_dict(),
+        "daily_full_rewrites": seed_style,
+        "daily_edit_aware": {**edit_aware, "rewrite_tokens_per_edit": total - first_volatile},
+        "cumulative": {"requests": g.get("requests", 0), "prompt_tokens": g.get("prompt_tokens", 0),
+                       "cached_tokens": g.get("cached_tokens", 0),
+                       "cached_token_share": round(g["cached_tokens"] / g["prompt_tokens"], 4)
+                       if g.get("prompt_tokens") else None},
+    }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _ratio(value: str | None) -> float | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        r = float(value)
+    except ValueError:
+        raise SystemExit(f"kvfuse: --ratio takes a number between 0 and 1 or 'auto', got {value!r}") from None
+    if not 0.0 <= r <= 1.0:
+        raise SystemExit(f"kvfuse: --ratio must be between 0 and 1, got {value}")
+    return r
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from kvfuse.engine import ModeUnavailableError, RequestError
+    from kvfuse.kb.manifest import KBError
+    from kvfuse.rag.index import Index, RetrievalIndexError
+
+    ratio = _ratio(args.ratio)
+    if args.top_k <= 0 or args.max_tokens <= 0:
+        raise SystemExit("kvfuse: --top-k and --max-tokens must be positive")
+    index = None
+    if args.index:
+        try:
+            index = Index.load(args.index)
+        except RetrievalIndexError as e:
+            raise _fail(e) from None
+    kb = open_kb(args.kb, args.model, args.store)
+    group = _group(kb, args.group)
+    try:
+        chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
+        if ratio == "auto":
+            from kvfuse.cli import _attach_controller
+
+            _attach_controller(kb.engine, argparse.Namespace(store=args.store, no_store=False, cost=[]), True)
+        answer = kb.ask(args.question, group, args.tenant, chunks, ratio, args.max_tokens, quote=not args.no_quote)
+    except (KBError, RequestError, ModeUnavailableError, RetrievalIndexError) as e:
+        raise _fail(e) from None
+    finally:
+        kb.engine.store.flush()
+    if args.json:
+        print(json.dumps(answer.as_dict()))
+        return 0
+    print(answer.answer)
+    for c in answer.citations:
+        mark = "verified" if c.verified else "NOT FOUND in the sources"
+        label = "retrieved passage" if c.source == "retrieval" else "quote"
+        print(f'  {label} ({mark}{", " + c.doc_id if c.doc_id else ""}): "{c.quote}"')
+    print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
+          f"cost {answer.cost_units['total']:.0f} units", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kvfuse.kb.compare import compare_chart, compare_table, load_questions, parse_compare_methods, run_compare
+    from kvfuse.kb.manifest import KBError
+
+    try:
+        methods = parse_compare_methods(args.methods)
+        questions = load_questions(args.questions)[: args.cases]
+    except KBError as e:
+        raise _fail(e) from None
+    kb = open_kb(args.kb, args.model, args.store)
+    group = _group(kb, args.group)
+    try:
+        res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet)
+    except KBError as e:
+        raise _fail(e) from None
+    kb.engine.store.flush()
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps(res, indent=1))
+        (out / "compare.md").write_text(compare_table(res))
+        compare_chart(res, out / "compare.png")
+    if args.json:
+        print(json.dumps({k: v for k, v in res.items() if k != "per_question"}))
+    else:
+        print(compare_table(res))
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from kvfuse.kb.manifest import MANIFEST, KBError, load_manifest, resolve_kb_dir
+    from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import resolve_model_path
+
+    src = _bundled(args.src)
+    try:
+        if (resolve_kb_dir(src) / MANIFEST).is_file():
+            m = load_manifest(src)
+            docs = [SourceDoc(d.id, d.title, d.text, d.groups) for d in m.documents]
+        else:
+            root = Path(src)
+            files = sorted(p for p in root.glob("*") if p.suffix in (".md", ".txt")) if root.is_dir() else []
+            if not files:
+                raise KBError(f"{src} is neither a knowledge base nor a directory of .md/.txt files")
+            docs = []
+            for f in files:
+                text = f.read_text(encoding="utf-8").strip()
+                title = text.splitlines()[0].strip() if text else f.stem
+                docs.append(SourceDoc(f.stem, title, text))
+        index = Index.build(docs, Tokenizer(resolve_model_path(args.model)), args.chunk_tokens, args.overlap)
+        index.save(args.out)
+    except (KBError, RetrievalIndexError, ValueError) as e:
+        raise _fail(e) from None
+    print(json.dumps({"out": args.out, "documents": len(docs), "chunks": len(index.chunks), **index.settings}))
+    return 0
+
+
+def _bundled(src: str) -> str:
+    from importlib import resources
+
+    if src == "albaran-tickets" and not Path(src).exists():
+        return str(resources.files("kvfuse").joinpath("data/albaran-tickets"))
+    return src

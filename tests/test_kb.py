@@ -1,0 +1,225 @@
+import json
+import threading
+
+import pytest
+import torch
+from chartok import CharTokenizer
+
+from kvfuse.engine import Engine, Request
+from kvfuse.kb.base import KnowledgeBase
+from kvfuse.kb.cost import CostModel
+from kvfuse.kb.manifest import Document, KBError, load_manifest
+from kvfuse.kb.prefix import plan_prefix
+from kvfuse.kb.quotes import find_quote, usable
+from kvfuse.sampling import SamplingParams
+from kvfuse.store import open_store
+from kvfuse.weights import load_model
+
+DOCS = [  # id, stability, groups, shared, text
+    ("plans", 1, ["support", "leads"], True, "Team plan: 30 days to return an annual charge."),
+    ("billing", 2, ["support", "leads"], False, "Invoices are issued on the first day."),
+    ("margins", 2, ["leads"], False, "Secret margin: at most 22 percent off."),
+    ("faq", 5, ["support", "leads"], False, "As a rule, refunds within 14 days."),
+]
+
+
+def write_kb(root, docs=DOCS, order=None) -> None:  # type: ignore[no-untyped-def]
+    (root / "docs").mkdir(parents=True, exist_ok=True)
+    lines = ['name = "demo"', 'instructions = "Answer from the policies."', ""]
+    for i in order or range(len(docs)):
+        doc_id, st, groups, shared, text = docs[i]
+        (root / "docs" / f"{doc_id}.md").write_text(text + "\n")
+        lines += ["[[documents]]", f'id = "{doc_id}"', f'title = "{doc_id.title()}"', f'path = "docs/{doc_id}.md"',
+                  f"stability = {st}", f"groups = {json.dumps(groups)}", f"shared = {str(shared).lower()}", ""]
+    (root / "kb.toml").write_text("\n".join(lines))
+
+
+@pytest.fixture
+def kb(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    root, _ = tiny_models["gemma3"]
+    lm = load_model(root)
+    store_dir = tmp_path / "store"
+    engine = Engine(lm.model, lm.fingerprint, store=open_store(store_dir, lm.fingerprint))
+    write_kb(tmp_path / "kb")
+    return KnowledgeBase.open(tmp_path / "kb", engine, CharTokenizer(), state_dir=store_dir)
+
+
+def test_serialization_is_deterministic_and_ordered(tmp_path) -> None:
+    tok = CharTokenizer()
+    write_kb(tmp_path / "a")
+    write_kb(tmp_path / "b", order=[3, 1, 0, 2])  # the manifest's order does not matter
+    a = plan_prefix(load_manifest(tmp_path / "a"), tok, "leads")
+    b = plan_prefix(load_manifest(tmp_path / "b"), tok, "leads")
+    assert a.ids == b.ids and a.version == b.version
+    assert [s.name for s in a.segments] == ["instructions", "plans", "billing", "margins", "faq"]  # (stability, id)
+    assert plan_prefix(load_manifest(tmp_path / "a"), tok, "leads").ids == a.ids
+
+
+def test_real_tokenizer_serialization_of_the_bundled_kb() -> None:
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import resolve_model_path
+
+    tok = Tokenizer(resolve_model_path(None))
+    m = load_manifest("albaran")
+    one, two = plan_prefix(m, tok, "support"), plan_prefix(load_manifest("albaran"), tok, "support")
+    assert one.ids == two.ids
+    order = [(m.document(s.name).stability, s.name) for s in one.segments[1:]]
+    assert order == sorted(order) and order[-1][0] == 5  # the FAQ goes last
+    assert "discount-margins" not in {s.name for s in one.segments}
+    assert "Commercial discount margins" not in tok.decode(one.ids)
+    assert 8000 < len(one.ids) < 12000
+
+
+def test_edit_recomputes_from_the_changed_block(kb, tmp_path) -> None:
+    first = kb.build("support")
+    assert first.tokens_reused == 0 and first.tokens_recomputed == first.tokens_total // 16 * 16
+    again = kb.build("support")
+    assert again.loaded and again.tokens_recomputed == 0
+    plan = kb.plan("support")
+    faq = next(s for s in plan.segments if s.name == "faq")
+    kb.put_document(Document("faq", "Faq", "docs/faq.md", 5, ("support", "leads"), False,
+                             "Generally, refunds within 14 days."))
+    last = kb.build("support")
+    n_full = last.tokens_total // 16 * 16
+    assert last.tokens_reused >= faq.start // 16 * 16  # everything before the changed block is reused
+    assert 0 < last.tokens_recomputed <= faq.end - faq.start + 16
+    plans = next(s for s in kb.plan("support").segments if s.name == "plans")
+    kb.put_document(Document("plans", "Plans", "docs/plans.md", 1, ("support", "leads"), True,
+                             "Team plan: 31 days to return an annual charge."))
+    edit_first = kb.build("support")
+    assert plans.start // 16 * 16 <= edit_first.tokens_reused < plans.end
+    assert edit_first.tokens_recomputed == edit_first.tokens_total // 16 * 16 - edit_first.tokens_reused
+    assert edit_first.tokens_recomputed > 3 * last.tokens_recomputed
+    assert n_full > 0
+
+
+def test_ask_answers_from_the_cache_and_recomputes_nothing_between_questions(kb) -> None:
+    kb.build("support")
+    entries = len(kb.engine.store.memory._index)
+    a1 = kb.ask("How many days?", "support", quote=False, max_tokens=4)
+    a2 = kb.ask("Which day are invoices issued?", "support", quote=False, max_tokens=4)
+    plan = kb.plan("support")
+    for a, q in ((a1, "How many days?"), (a2, "Which day are invoices issued?")):
+        suffix = len(CharTokenizer().encode(f"Question: {q}\nAnswer:"))
+        assert a.tokens["cached"] == len(plan.ids) // 16 * 16
+        assert a.tokens["computed"] == len(plan.ids) % 16 + suffix  # the partial last block and the question
+        assert a.tokens["prompt"] == len(plan.ids) + suffix
+        assert a.cost_units["write"] == 0 and a.cost_units["read"] == pytest.approx(a.tokens["cached"] * 0.1)
+        assert a.cached_token_share == pytest.approx(a.tokens["cached"] / a.tokens["prompt"], abs=1e-4)
+    assert len(kb.engine.store.memory._index) == entries  # the stored prefix was not extended
+    assert 0 < a2.cumulative_cached_token_share < 1
+    usage = kb.usage()["support"]
+    assert usage["requests"] == 2 and usage["cached_tokens"] == a1.tokens["cached"] + a2.tokens["cached"]
+
+
+def test_answer_equals_full_prefill_of_the_same_prompt(kb) -> None:
+    kb.build("support")
+    prep = kb.prepare("How many days?", "support")
+    full = kb.engine.generate(Request(suffix=prep.request.suffix, prefix=prep.request.prefix), "full",
+                              params=SamplingParams(max_tokens=5, ignore_eos=True))
+    cag = kb.engine.generate(prep.request, prep.mode, params=SamplingParams(max_tokens=5, ignore_eos=True))
+    assert cag.tokens == full.tokens and (cag.first_logits - full.first_logits).abs().max() < 1e-4
+
+
+def test_hybrid_equals_full_at_ratio_one(kb) -> None:
+    from kvfuse.rag.index import IndexChunk
+
+    kb.build("support")
+    chunks = [IndexChunk("t1", "Ticket 1", (), 0, 30, "Customer charged 20 days ago."),
+              IndexChunk("t2", "Ticket 2", (), 0, 25, "Customer on the Team plan.")]
+    prep = kb.prepare("Refund?", "support", chunks=chunks, ratio=1.0)
+    assert prep.mode == "blend" and prep.written == sum(len(c) for c in prep.request.chunks)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    hybrid = kb.engine.generate(prep.request, "blend", 1.0, params)
+    full = kb.engine.generate(Request(suffix=prep.request.suffix, prefix=tuple(prep.request.ids[:-len(
+        prep.request.suffix)])), "full", params=params)
+    assert hybrid.counts.reused == len(prep.request.ids) - len(prep.request.suffix) - len(prep.plan.ids) % 16
+    assert (hybrid.first_logits - full.first_logits).abs().max() < 1e-4 and hybrid.tokens == full.tokens
+    cheap = kb.ask("Refund?", "support", chunks=chunks, ratio=0.2, quote=False, max_tokens=3)
+    assert cheap.mode == "blend" and cheap.retrieved == ["t1", "t2"] and cheap.cost_units["write"] == 0
+
+
+def test_groups_get_their_own_prefix_and_never_share_entries(kb) -> None:
+    support, leads = kb.plan("support"), kb.plan("leads")
+    secret = CharTokenizer().encode("Secret margin")
+    ids = list(support.ids)
+    assert not any(ids[i : i + len(secret)] == secret for i in range(len(ids)))
+    assert "margins" not in {s.name for s in support.segments} and "margins" in {s.name for s in leads.segments}
+    h_support = set(kb.engine.block_hashes(support.ids, support.salts))
+    h_leads = set(kb.engine.block_hashes(leads.ids, leads.salts))
+    assert not h_support & h_leads  # even the identical first blocks are keyed apart
+    kb.build("leads")
+    assert kb.cached_tokens(support) == 0  # nothing of leads' cache is a hit for support
+    before = kb.engine.store.stats.snapshot()
+    kb.ask("Margin?", "support", quote=False, max_tokens=2)
+    assert kb.engine.store.stats.since(before).hits == len(h_support)  # support's own blocks, built on demand
+    with pytest.raises(KBError, match="unknown group"):
+        kb.plan("admins")
+
+
+def test_tenant_salts_keep_private_segments_private(kb) -> None:
+    a, b = kb.plan("support", "tenant-a"), kb.plan("support", "tenant-b")
+    first_private = next(s for s in a.segments if not s.shared)
+    kb.build("support", "tenant-a")
+    shared_blocks = first_private.start // 16
+    assert kb.cached_tokens(b) == shared_blocks * 16  # the shared plan terms still hit, the rest never does
+    assert kb.cached_tokens(a) == len(a.ids) // 16 * 16
+    ha, hb = kb.engine.block_hashes(a.ids, a.salts), kb.engine.block_hashes(b.ids, b.salts)
+    assert ha[:shared_blocks] == hb[:shared_blocks] and not set(ha[shared_blocks:]) & set(hb[shared_blocks:])
+    chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
+    assert kb.engine._chunk_key(chunk, "tenant:a") != kb.engine._chunk_key(chunk, "tenant:b")
+
+
+def test_cost_arithmetic_matches_the_seed() -> None:
+    c = CostModel()
+    day = c.daily(32_000, 600, writes=10)
+    assert day["cag"]["total"] == pytest.approx(2_288_000) and day["no_cache"]["total"] == 19_200_000
+    assert day["rag"]["total"] == 1_200_000
+    assert c.request(written=100, cached=1000, computed=20) == {"write": 125.0, "read": 100.0, "uncached": 20.0,
+                                                                "total": 245.0}
+    assert CostModel(read=0.05).daily(32_000, 600, writes=10)["cag"]["read"] == pytest.approx(944_000)
+    with pytest.raises(ValueError):
+        CostModel(write=-1)
+
+
+def test_quote_verification() -> None:
+    docs = [Document("team", "Team", "", 1, ("s",), text="7. Returns\nAnnual subscriptions have 30 calendar\n"
+                                                          "days from the date of the charge.")]
+    c = find_quote('"annual SUBSCRIPTIONS have 30   calendar days from the date of the charge."', docs)
+    assert c.verified and c.doc_id == "team" and docs[0].text[c.start : c.end].startswith("Annual subscriptions")
+    assert docs[0].text[c.start : c.end].endswith("charge.")
+    miss = find_quote("Annual subscriptions have 14 calendar days", docs)
+    assert not miss.verified and miss.doc_id is None and miss.start is None
+    assert not usable("30 days") and usable("have 30 calendar days")
+
+
+def test_manifest_errors(tmp_path) -> None:
+    with pytest.raises(KBError, match="no kb.toml"):
+        load_manifest(tmp_path)
+    write_kb(tmp_path)
+    (tmp_path / "docs" / "faq.md").unlink()
+    with pytest.raises(KBError, match="cannot read"):
+        load_manifest(tmp_path)
+    write_kb(tmp_path, DOCS + [DOCS[0]])
+    with pytest.raises(KBError, match="used twice"):
+        load_manifest(tmp_path)
+    (tmp_path / "kb.toml").write_text("name = [")
+    with pytest.raises(KBError, match="not valid TOML"):
+        load_manifest(tmp_path)
+
+
+def test_concurrent_usage_updates_lose_nothing(kb) -> None:
+    plan = kb.plan("support")
+    threads = [threading.Thread(target=lambda: [kb._add_usage(plan, 10, 9) for _ in range(20)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert kb.usage()["support"] == {"requests": 80, "prompt_tokens": 800, "cached_tokens": 720}
+
+
+def test_over_long_prefix_is_refused(kb) -> None:
+    kb.put_document(Document("huge", "Huge", "docs/huge.md", 3, ("support",), False, "x" * 600))
+    with pytest.raises(KBError, match="window is 512"):
+        kb.build("support")
+    assert torch.is_tensor(kb.engine.model.embed_tokens.weight)
