@@ -77,12 +77,17 @@ class Request:
 
 @dataclass(slots=True)
 class TokenCounts:
-    """prompt = prefilled + reused. recomputed counts reused tokens recomputed, in full-layer equivalents."""
+    """prompt = prefilled + reused. recomputed counts reused tokens recomputed, in full-layer equivalents.
+
+    cached counts the tokens whose KV was read from the store and used as read: reused tokens of
+    prefix blocks and chunk caches that were hits, less their recomputed share (a chunk computed on
+    a miss during this request is reused, but not cached)."""
 
     prompt: int = 0
     prefilled: int = 0
     reused: int = 0
     recomputed: int = 0
+    cached: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -287,10 +292,11 @@ class Engine:
             return cache, True
         return self._compute_chunk(chunk, key), False
 
-    def _chunk_source(self, chunk: Sequence[int], key: ChunkKey) -> LayerSource:
-        """A chunk's cache for layer-wise reading: from memory, lazily from disk, or computed now."""
+    def _chunk_source(self, chunk: Sequence[int], key: ChunkKey) -> tuple[LayerSource, bool]:
+        """A chunk's cache for layer-wise reading (from memory, lazily from disk, or computed now), and
+        whether it came from the store."""
         source = self.store.open(key)
-        return source if source is not None else self._compute_chunk(chunk, key)
+        return (source, True) if source is not None else (self._compute_chunk(chunk, key), False)
 
     def _promote(self, key: ChunkKey, layers: LayerKV, positions: torch.Tensor) -> None:
         k, v = torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
@@ -361,7 +367,7 @@ class Engine:
             n_hit = len(hit) * self.block_size
             rest = torch.tensor(cacheable[n_hit:] + list(req.suffix), dtype=torch.int64)
             fused = fuse.prefill(model, rest, past=hit)
-            counts.reused, counts.prefilled = n_hit, len(req) - n_hit
+            counts.reused, counts.prefilled, counts.cached = n_hit, len(req) - n_hit, n_hit
             writes.append(lambda: self._store_prefix(cacheable, fused.cache, req.salts))
             return Prefilled(fused, counts, mode, None, writes)
         # reuse, blend and legolink: cached prefix blocks, the prefix's uncached tail computed with the suffix
@@ -372,7 +378,10 @@ class Engine:
         counts.prefilled = len(req) - counts.reused
         ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
         keys = [self._chunk_key(c, req.chunk_salt) for c in req.chunks]
-        sources = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
+        opened = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
+        sources = [s for s, _ in opened]
+        stored = torch.cat([torch.full((len(c),), hit) for c, (_, hit) in zip(req.chunks, opened, strict=True)]) \
+            if req.chunks else torch.zeros(0, dtype=torch.bool)
         decision = None
         if mode in ("reuse", "legolink"):
             r = None
@@ -401,8 +410,11 @@ class Engine:
                 for i in (i for i in lazy if keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(keys[i], str(e))
                     sources[i] = self._compute_chunk(req.chunks[i], keys[i])
+                    stored[sum(len(c) for c in req.chunks[:i]) : sum(len(c) for c in req.chunks[: i + 1])] = False
         if mode in ("blend", "legolink"):
             counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
+        recomputed_stored = sum(int(stored[sel].sum()) for sel in fused.selected) / self.cfg.num_layers
+        counts.cached = n_hit + int(stored.sum()) - round(recomputed_stored)
         writes.append(lambda: self._store_prefix(req.prefix, fused.cache, req.salts))
         for i in lazy:  # after the request: promote what came from disk into memory, from the layers read
             writes.append(partial(self._promote, keys[i], [kv[i] for kv in loader.loaded], sources[i].positions))

@@ -52,15 +52,19 @@ def test_token_accounting(tiny_engines) -> None:
     e = tiny_engines["gemma3"]
     req = _request(3)
     assert e.generate(req, "full", params=GREEDY).counts.as_dict() == {
-        "prompt": 71, "prefilled": 71, "reused": 0, "recomputed": 0}
+        "prompt": 71, "prefilled": 71, "reused": 0, "recomputed": 0, "cached": 0}
     e.precompute(req, "prefix")
     c = e.generate(req, "prefix", params=GREEDY).counts
-    assert (c.prompt, c.reused, c.prefilled) == (71, 64, 7)  # 4 full blocks of 16 before the question
+    assert (c.prompt, c.reused, c.prefilled, c.cached) == (71, 64, 7, 64)  # 4 full blocks before the question
+    cold = Request(prefix=req.prefix, chunks=tuple(rand_ids(10, 90 + i) for i in range(3)), suffix=req.suffix)
+    c = e.generate(cold, "blend", 0.5, GREEDY).counts  # chunks computed on a miss are reused, not cached
+    assert c.reused == 16 + 30 and c.cached == 16
     e.precompute(req, "blend")
     c = e.generate(req, "blend", 0.5, GREEDY).counts
     assert c.reused == 16 + 46 and c.prefilled == 71 - 62  # one cached head block + every chunk token
     sched = fuse.keep_schedule(e.cfg.num_layers, 46, 0.5)
     assert c.recomputed == round(sum(sched) / e.cfg.num_layers)
+    assert c.cached == c.reused - c.recomputed  # every chunk was a hit
 
 
 def test_precompute_then_hit(tiny_engines) -> None:

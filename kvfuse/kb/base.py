@@ -224,8 +224,8 @@ class KnowledgeBase:
     def finish(self, prep: Prepared, text: str, result: Any, citations: list[Citation]) -> Answer:
         """Token accounting, cost and the cumulative cached share of a finished answer."""
         c = result.counts
-        cached = c.reused - c.recomputed
-        computed = c.prefilled + c.recomputed
+        cached = c.cached
+        computed = c.prompt - c.cached
         share = cached / c.prompt if c.prompt else 0.0
         cumulative = self._add_usage(prep.plan, c.prompt, cached)
         return Answer(
