@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfuse.kb.cli import register as register_kb
 
     register_kb(sub)
+    from kvfuse.server.cli import register as register_serve
+
+    register_serve(sub)
 
     d = sub.add_parser("demo", help="the Albarán demo: CAG from a persisted cache, then the hybrid with a ticket")
     d.add_argument("--model", default=None)

@@ -13,7 +13,7 @@ cache key is the same wherever it is retrieved. Segment text is stripped of surr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +81,9 @@ def _held(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def stream_text(tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP) -> Iterator[str]:
+def stream_text(
+    tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP
+) -> Generator[str, None, None]:
     """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string.
 
     Text that could still turn into a stop string is held back until it is decided."""
@@ -114,3 +116,43 @@ def stream_text(tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DE
 
 def complete_text(tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP) -> str:
     return "".join(stream_text(tokens, tok, stops))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    """A deterministic chat layout, tokenised turn by turn, so a conversation's request N is a token
+    prefix of request N+1: an assistant turn starts with exactly the ids that asked for it.
+
+    Gemma-style turn markers when the tokenizer has them, plain "Role:" lines otherwise. The system
+    (and developer) message becomes its own turn; nothing is dropped or rewritten in earlier turns (the
+    Qwen3 template strips earlier reasoning, which breaks the prefix property)."""
+
+    open_turn: str = "<start_of_turn>{role}\n"
+    close_turn: str = "<end_of_turn>\n"
+    assistant_role: str = "model"
+    stop_marker: str | None = "<end_of_turn>"
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any) -> ChatTemplate:
+        inner = getattr(tok, "_tok", None)
+        vocab = inner.get_vocab() if inner is not None and hasattr(inner, "get_vocab") else {}
+        if "<start_of_turn>" in vocab and "<end_of_turn>" in vocab:
+            return cls()
+        return cls(open_turn="{role}: ", close_turn="\n", assistant_role="Assistant", stop_marker=None)
+
+    def role(self, role: str) -> str:
+        if role == "assistant":
+            return self.assistant_role
+        if self.stop_marker is None:
+            return role.capitalize()
+        return role
+
+    def turns(self, tok: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The ids of finished turns (role, content), in order."""
+        ids: list[int] = []
+        for role, content in messages:
+            ids += self.generation_prompt(tok, role) + tok.encode(content) + tok.encode(self.close_turn)
+        return ids
+
+    def generation_prompt(self, tok: Any, role: str = "assistant") -> list[int]:
+        return list(tok.encode(self.open_turn.format(role=self.role(role))))

@@ -1,0 +1,1 @@
+"""`kvfuse serve`: an OpenAI-compatible HTTP server (FastAPI) over one engine, with kvfuse's extensions."""

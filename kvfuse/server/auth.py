@@ -1,0 +1,76 @@
+"""API keys: each maps to a tenant, the knowledge bases and groups it may use, and whether it may edit.
+
+    [[keys]]
+    key = "sk-support-1"
+    tenant = "acme"
+    admin = false                 # may add, update and delete knowledge-base documents
+    [keys.kb]
+    albaran = ["support"]         # knowledge base -> its groups this key reads as (first is the default)
+"""
+
+from __future__ import annotations
+
+import hmac
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class KeysError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    tenant: str | None
+    kb_groups: dict[str, tuple[str, ...]] | None = field(default=None)  # None: every kb and group (no auth)
+    admin: bool = True
+
+    def groups_for(self, kb: str) -> tuple[str, ...] | None:
+        """The groups this caller reads kb as; None means any group (no auth); () means no access."""
+        if self.kb_groups is None:
+            return None
+        return self.kb_groups.get(kb, ())
+
+
+ANONYMOUS = Principal(tenant=None)
+
+
+class Keys:
+    def __init__(self, principals: dict[str, Principal]) -> None:
+        self._by_key = principals
+
+    @classmethod
+    def load(cls, path: str | Path) -> Keys:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise KeysError(f"cannot read --keys {p}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise KeysError(f"--keys {p} is not valid TOML: {e}") from None
+        out: dict[str, Principal] = {}
+        for i, k in enumerate(raw.get("keys", [])):
+            if not isinstance(k, dict) or not isinstance(k.get("key"), str) or len(k["key"]) < 8:
+                raise KeysError(f"--keys {p}: keys[{i}] needs a key string of at least 8 characters")
+            if not isinstance(k.get("tenant"), str) or not k["tenant"]:
+                raise KeysError(f"--keys {p}: keys[{i}] needs a tenant")
+            kbs = k.get("kb", {})
+            if not isinstance(kbs, dict) or not all(isinstance(v, list) and v for v in kbs.values()):
+                raise KeysError(f"--keys {p}: keys[{i}].kb maps knowledge bases to non-empty lists of groups")
+            if k["key"] in out:
+                raise KeysError(f"--keys {p}: a key is listed twice")
+            out[k["key"]] = Principal(k["tenant"], {n: tuple(map(str, g)) for n, g in kbs.items()},
+                                      bool(k.get("admin", False)))
+        if not out:
+            raise KeysError(f"--keys {p} lists no [[keys]]")
+        return cls(out)
+
+    def lookup(self, header: str | None) -> Principal | None:
+        if not header or not header.startswith("Bearer "):
+            return None
+        given = header.removeprefix("Bearer ").strip()
+        for key, principal in self._by_key.items():
+            if hmac.compare_digest(key.encode(), given.encode()):
+                return principal
+        return None

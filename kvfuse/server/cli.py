@@ -1,0 +1,63 @@
+"""`kvfuse serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, knowledge bases)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M)")
+    s.add_argument("--kb", action="append", default=[], help="knowledge-base dir, served under its name (repeatable; "
+                                                             "albaran is the bundled demo)")
+    s.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
+    s.add_argument("--keys", default=None, help="TOML file of API keys, tenants and their knowledge-base groups")
+    s.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429")
+    s.add_argument("--max-documents", type=int, default=16, help="documents per request")
+    s.add_argument("--max-document-tokens", type=int, default=4096, help="tokens per document")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+
+
+def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvfuse.engine import Engine
+    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.kb.manifest import KBError, load_manifest
+    from kvfuse.server.app import Limits, ServerState
+    from kvfuse.server.auth import Keys, KeysError
+    from kvfuse.text import Tokenizer
+    from kvfuse.weights import cache_dir, resolve_model_path
+
+    if min(args.max_queue, args.max_documents, args.max_document_tokens) < 1:
+        raise SystemExit("kvfuse: --max-queue, --max-documents and --max-document-tokens must be at least 1")
+    try:
+        keys = Keys.load(args.keys) if args.keys else None
+        manifests = [load_manifest(k) for k in args.kb]
+    except (KeysError, KBError) as e:
+        raise SystemExit(f"kvfuse: {e}") from None
+    names = [m.name for m in manifests]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"kvfuse: two --kb directories have the same name ({', '.join(names)})")
+    store = Path(args.store) if args.store else cache_dir() / "store"
+    path = resolve_model_path(args.model)
+    engine, tok = Engine.load(path, store_dir=store), Tokenizer(path)
+    kbs = {m.name: KnowledgeBase(engine, tok, m, state_dir=store) for m in manifests}
+    limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue)
+    return ServerState(engine, tok, Path(path).name, kbs, keys, limits)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvfuse.server.app import create_app
+
+    state = build_state(args)
+    print(f"kvfuse: serving {state.model_id} on http://{args.host}:{args.port}/v1 "
+          f"(knowledge bases: {', '.join(state.kbs) or 'none'}; auth: {'on' if state.keys else 'off'})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,272 @@
+"""The server on a real loopback socket, over a tiny random model (one that never emits EOS)."""
+
+import asyncio
+import dataclasses
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from chartok import CharTokenizer
+from kbdata import write_kb
+from serverutil import serving
+
+from kvfuse.engine import Engine
+from kvfuse.kb.base import KnowledgeBase
+from kvfuse.server.app import Limits, ServerState, create_app
+from kvfuse.server.auth import Keys
+from kvfuse.server.worker import Job
+from kvfuse.store import open_store
+from kvfuse.weights import load_model
+
+KEYS = """
+[[keys]]
+key = "sk-support-000"
+tenant = "acme"
+[keys.kb]
+demo = ["support"]
+
+[[keys]]
+key = "sk-leads-00000"
+tenant = "acme"
+admin = true
+[keys.kb]
+demo = ["leads", "support"]
+
+[[keys]]
+key = "sk-nokb-000000"
+tenant = "beta"
+"""
+SUPPORT = {"Authorization": "Bearer sk-support-000"}
+LEADS = {"Authorization": "Bearer sk-leads-00000"}
+NOKB = {"Authorization": "Bearer sk-nokb-000000"}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+    root, _ = tiny_models["gemma3"]
+    lm = load_model(root)
+    tmp = tmp_path_factory.mktemp("server")
+    write_kb(tmp / "kb")
+    (tmp / "keys.toml").write_text(KEYS)
+    engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "store", lm.fingerprint))
+    engine.cfg = dataclasses.replace(engine.cfg, eos_token_ids=())  # generations always run to max_tokens
+    tok = CharTokenizer()
+    kb = KnowledgeBase.open(tmp / "kb", engine, tok, state_dir=tmp / "store")
+    state = ServerState(engine, tok, "tiny", {"demo": kb}, Keys.load(tmp / "keys.toml"),
+                        Limits(max_documents=3, max_document_tokens=120, max_queue=4))
+    with serving(create_app(state)) as url:
+        yield url, state
+
+
+def client(srv, headers=SUPPORT) -> httpx.Client:  # type: ignore[no-untyped-def]
+    return httpx.Client(base_url=srv[0], headers=headers, timeout=60)
+
+
+def test_openai_client_completions_and_chat(srv) -> None:
+    import openai
+
+    oc = openai.OpenAI(base_url=srv[0] + "/v1", api_key="sk-support-000")
+    assert [m.id for m in oc.models.list().data] == ["tiny"]
+    c = oc.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 6
+    assert c.usage.prompt_tokens == 1 + len("Once upon a time")
+    streamed = oc.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == c.choices[0].text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = oc.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    parts = list(oc.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert text == chat.choices[0].message.content
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 5
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+
+
+def test_conversations_reuse_their_prefix(srv) -> None:
+    with client(srv) as h:
+        turn1 = [{"role": "user", "content": "Tell me about the plans and the billing rules, please."}]
+        r1 = h.post("/v1/chat/completions", json={"messages": turn1, "max_tokens": 4, "temperature": 0}).json()
+        turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And then?"}]
+        r2 = h.post("/v1/chat/completions", json={"messages": turn2, "max_tokens": 4, "temperature": 0}).json()
+    # request 1's prompt is a token prefix of request 2's, so its blocks (all but the generation prompt,
+    # which is never cached) are reused
+    gen = len(srv[1].chat.generation_prompt(srv[1].tok))
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == (r1["usage"]["prompt_tokens"] - gen) // 16 * 16
+
+
+def test_documents_are_cached_on_first_sight(srv) -> None:
+    body = {"prompt": "Question: what is the code?\nAnswer:", "max_tokens": 3, "temperature": 0,
+            "documents": [{"id": "a", "text": "The door code is 4812. " * 3}, {"text": "The safe is in room 7. " * 3}]}
+    with client(srv) as h:
+        first = h.post("/v1/completions", json=body).json()
+        second = h.post("/v1/completions", json=body).json()
+        exact = h.post("/v1/completions", json={**body, "kvfuse": {"mode": "blend", "ratio": 1.0}}).json()
+        full = h.post("/v1/completions", json={**body, "kvfuse": {"mode": "full"}}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["kvfuse"]["mode"] == "blend" and second["kvfuse"]["recomputed_tokens"] > 0
+    assert exact["choices"][0]["text"] == full["choices"][0]["text"]
+
+
+def test_knowledge_base_extension_and_groups(srv) -> None:
+    url, state = srv
+    kb = state.kbs["demo"]
+    body = {"messages": [{"role": "user", "content": "What is the margin?"}], "kb": "demo", "max_tokens": 4,
+            "temperature": 0}
+    with client(srv) as h:
+        r = h.post("/v1/chat/completions", json=body).json()
+        again = h.post("/v1/chat/completions", json=body).json()
+        forbidden = h.post("/v1/chat/completions", json={**body, "kvfuse": {"group": "leads"}})
+    assert r["kvfuse"]["group"] == "support" and isinstance(r["kvfuse"]["citations"], list)
+    support = kb.plan("support", "acme")
+    assert r["usage"]["prompt_tokens"] > len(support.ids) and "margins" not in {s.name for s in support.segments}
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(support.ids) // 16 * 16
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
+    with client(srv, LEADS) as h:
+        lead = h.post("/v1/chat/completions", json={**body, "kvfuse": {"group": "leads"}}).json()
+    assert lead["kvfuse"]["group"] == "leads" and lead["usage"]["prompt_tokens"] > r["usage"]["prompt_tokens"]
+
+
+def test_auth(srv) -> None:
+    with httpx.Client(base_url=srv[0]) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong-key-123"}, {"Authorization": "sk-support-000"}):
+            r = h.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert h.get("/v1/models").status_code == 401
+        assert h.get("/health").status_code == 200
+    with client(srv, NOKB) as h:
+        r = h.post("/v1/completions", json={"prompt": "hi", "kb": "demo", "max_tokens": 1})
+        assert r.status_code == 404 and "not available to this key" in r.json()["error"]["message"]
+        assert h.get("/v1/kb/demo").status_code == 404
+
+
+def test_kb_endpoints(srv) -> None:
+    with client(srv) as h:
+        stats = h.get("/v1/kb/demo").json()
+        assert set(stats["groups"]) == {"support"} and "margins" not in {d["id"] for d in stats["documents"]}
+        r = h.post("/v1/kb/demo/documents", json={"id": "faq", "text": "Refunds: 15 days."})
+        assert r.status_code == 403
+    with client(srv, LEADS) as h:
+        r = h.post("/v1/kb/demo/documents", json={"id": "news", "text": "New office opens in May.",
+                                                  "groups": ["support"]})
+        assert r.status_code == 200 and r.json()["created"] and r.json()["builds"][0]["group"] == "support"
+        upd = h.post("/v1/kb/demo/documents", json={"id": "news", "text": "Our new office opens in May."}).json()
+        assert not upd["created"] and 0 < upd["builds"][0]["tokens_recomputed"] < upd["builds"][0]["tokens_total"]
+        assert h.delete("/v1/kb/demo/documents/nope").status_code == 404
+        assert h.delete("/v1/kb/demo/documents/news").json()["deleted"]
+        assert "news" not in {d["id"] for d in h.get("/v1/kb/demo").json()["documents"]}
+        bad = h.post("/v1/kb/demo/documents", json={"id": "bad id!", "text": "x"})
+        assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"prompt": "x" * 600, "max_tokens": 4}, 400, "maximum context length is 512"),
+    ({"prompt": "hi", "kvfuse": {"ratio": 1.5}}, 400, "ratio"),
+    ({"prompt": "hi", "kvfuse": {"mode": "fast"}}, 400, "mode"),
+    ({"prompt": "hi", "documents": [{"text": "a"}] * 4}, 400, "at most 3"),
+    ({"prompt": "hi", "documents": [{"text": "a" * 200}]}, 400, "at most 120"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "hi", "kb": "nope"}, 404, "does not exist"),
+    ({"prompt": "hi", "n": 2}, 400, "'n'"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
+    ({"prompt": "hi", "kvfuse": {"mode": "prefix", "ratio": 0.2}}, 400, "only to mode 'blend'"),
+    ({"messages": []}, 400, "messages"),
+])
+def test_bad_input_gets_openai_errors(srv, body, status, fragment) -> None:  # type: ignore[no-untyped-def]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with client(srv) as h:
+        r = h.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_and_server_survives(srv) -> None:
+    with client(srv) as h:
+        r = h.post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        assert h.post("/v1/completions", content=b"[1, 2]").status_code == 400
+        assert h.get("/health").json()["status"] == "ok"
+
+
+def test_metrics(srv) -> None:
+    with client(srv) as h:
+        h.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 2})
+        text = h.get("/metrics").text
+    for name in ("kvfuse_ttft_seconds_bucket", "kvfuse_prompt_tokens_total", "kvfuse_cached_tokens_total",
+                 "kvfuse_recomputed_tokens_total", "kvfuse_store_hits_total", "kvfuse_store_misses_total",
+                 "kvfuse_store_evictions_total", 'kvfuse_store_bytes{tier="memory"}', 'kvfuse_store_bytes{tier="disk"}',
+                 "kvfuse_queue_depth"):
+        assert name in text, name
+    count = next(line for line in text.splitlines() if line.startswith("kvfuse_ttft_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+
+
+def test_parallel_requests_answer_like_sequential_ones(srv) -> None:
+    bodies = [{"prompt": f"Case {i}: the answer is", "max_tokens": 5, "temperature": 0.8, "seed": i} for i in range(4)]
+
+    def send(body):  # type: ignore[no-untyped-def]
+        with client(srv) as h:
+            return h.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    one_by_one = [send(b) for b in bodies]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(send, bodies))
+    assert together == one_by_one
+
+
+def test_full_queue_gets_429_with_retry_after(srv) -> None:
+    url, state = srv
+    w = state.worker
+    gate, loop = threading.Event(), asyncio.new_event_loop()
+    for _ in range(w.max_queue):  # occupy every place in the queue
+        with w._lock:
+            w._depth += 1
+        w._q.put(Job(lambda cancel, emit: gate.wait(10), loop))
+    try:
+        with client(srv) as h:
+            r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        gate.set()
+    for _ in range(200):
+        if w.depth == 0:
+            break
+        threading.Event().wait(0.05)
+    assert w.depth == 0
+
+
+def test_disconnect_cancels_the_work(srv) -> None:
+    url, state = srv
+
+    def completion_tokens() -> float:
+        text = httpx.get(url + "/metrics").text
+        return float(next(x for x in text.splitlines() if x.startswith("kvfuse_completion_tokens_total")).split()[-1])
+
+    before = completion_tokens()
+    body = {"prompt": "Go on and on:", "max_tokens": 400, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=url, headers=SUPPORT, timeout=60) as h, h.stream("POST", "/v1/completions",
+                                                                                json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived: hang up
+    for _ in range(400):
+        if state.worker.depth == 0:
+            break
+        threading.Event().wait(0.05)
+    spent = completion_tokens() - before
+    assert 0 < spent < 400, spent
+
+
+def test_openapi_is_served(srv) -> None:
+    spec = httpx.get(srv[0] + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+            "/v1/kb/{name}/documents", "/v1/kb/{name}/documents/{doc_id}", "/v1/kb/{name}"} <= set(spec["paths"])
+    assert json.dumps(spec)
