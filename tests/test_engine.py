@@ -197,3 +197,10 @@ def test_scored_logits_are_teacher_forced(tiny_engines) -> None:
     assert again.scored_logits is not None
     assert (again.scored_logits - full.step_logits).abs().max() < 1e-4
     assert [int(t) for t in again.scored_logits.argmax(-1)] == full.tokens
+
+
+def test_sampling_survives_extreme_parameters() -> None:
+    logits = torch.randn(50)
+    for top_p in (1e-300, 1e-40, 1e-7):  # below float32's range, and tiny: the top token is always kept
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=top_p)) == int(logits.argmax())
+    assert sample(logits, SamplingParams(temperature=1e-300)) == int(logits.argmax())
