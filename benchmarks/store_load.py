@@ -76,7 +76,7 @@ def main() -> None:
         store = open_store(tmp / "fp32", lm.fingerprint)
         drop_page_cache(tmp / "fp32")
         t0 = time.perf_counter()
-        entries = [store.open(engine._chunk_key(c)) for c in req.chunks]
+        entries = [store.open(engine.chunk_key(c)) for c in req.chunks]
         for i in range(lm.model.cfg.num_layers):
             for e in entries:
                 assert e is not None

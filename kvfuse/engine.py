@@ -281,12 +281,13 @@ class Engine:
         rest = torch.tensor(list(tokens[n_hit:]), dtype=torch.int64)
         return fuse.prefill(self.model, rest, past=hit).cache
 
-    def _chunk_key(self, chunk: Sequence[int], salt: str = "") -> ChunkKey:
+    def chunk_key(self, chunk: Sequence[int], salt: str = "") -> ChunkKey:
+        """The store key of a chunk's cache (computed behind this engine's preamble, in its KV dtype)."""
         return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk, salt)
 
     def chunk_cache(self, chunk: Sequence[int], salt: str = "") -> tuple[KVCache, bool]:
         """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
-        key = self._chunk_key(chunk, salt)
+        key = self.chunk_key(chunk, salt)
         cache = self.store.get(key)
         if cache is not None:
             return cache, True
@@ -321,7 +322,7 @@ class Engine:
         elif mode in ("reuse", "blend", "legolink"):
             self.precompute_prefix(req.prefix, req.salts, pin)
             for c in req.chunks:
-                key = self._chunk_key(c, req.chunk_salt)
+                key = self.chunk_key(c, req.chunk_salt)
                 if key not in self.store:  # cached in any tier is enough: the request loads it
                     self._compute_chunk(c, key)
         return time.perf_counter() - t0
@@ -377,7 +378,7 @@ class Engine:
         counts.reused = n_hit + sum(len(c) for c in req.chunks)
         counts.prefilled = len(req) - counts.reused
         ids = [torch.tensor(c, dtype=torch.int64) for c in req.chunks]
-        keys = [self._chunk_key(c, req.chunk_salt) for c in req.chunks]
+        keys = [self.chunk_key(c, req.chunk_salt) for c in req.chunks]
         opened = [self._chunk_source(c, k) for c, k in zip(req.chunks, keys, strict=True)]
         sources = [s for s, _ in opened]
         stored = torch.cat([torch.full((len(c),), hit) for c, (_, hit) in zip(req.chunks, opened, strict=True)]) \

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-4
 
 

@@ -38,3 +38,9 @@ def tiny_engines(tiny_models):  # type: ignore[no-untyped-def]
 def rand_ids(n: int, seed: int, vocab: int = 128, low: int = 3) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(int(x) for x in torch.randint(low, vocab, (n,), generator=g))
+
+
+@pytest.fixture(scope="session")
+def real_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One KV store for the slow tests on the real model, so the Albarán prefix is built once."""
+    return tmp_path_factory.mktemp("real-store")

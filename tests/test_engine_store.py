@@ -116,7 +116,7 @@ def test_loader_reads_the_next_layer_ahead() -> None:
 def test_file_renamed_to_another_chunks_key_is_not_used(warm_store, tiny_models) -> None:  # type: ignore[no-untyped-def]
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    a, b = (e._chunk_key(c) for c in req.chunks)
+    a, b = (e.chunk_key(c) for c in req.chunks)
     path_a, path_b = (e.store.disk.info(k).path for k in (a, b))  # type: ignore[union-attr]
     path_b.unlink()
     path_a.rename(path_b)  # chunk b's file now holds chunk a
@@ -131,7 +131,7 @@ def test_file_written_by_another_model_under_the_right_key_is_not_used(warm_stor
 
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    key = e._chunk_key(req.chunks[0])
+    key = e.chunk_key(req.chunks[0])
     forged = DiskTier(store_dir, model_fp="some-other-model")
     forged.put(key, KVCache.concat([e.chunk_cache(req.chunks[0])[0]]).clone())  # same key, foreign model
     fresh = _engine(root, store_dir)
@@ -171,7 +171,7 @@ def test_partial_hits_fuse_cached_and_new_chunks(tiny_models, tmp_path) -> None:
 def test_only_the_damaged_entry_is_dropped(warm_store) -> None:  # type: ignore[no-untyped-def]
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    bad, good = (e._chunk_key(c) for c in req.chunks)
+    bad, good = (e.chunk_key(c) for c in req.chunks)
     _flip(e.store.disk.info(bad).path)  # type: ignore[union-attr]
     out = e.generate(req, "blend", 0.3)
     assert out.store.corrupt == 1 and torch.allclose(out.first_logits, logits, atol=1e-5)

@@ -149,7 +149,7 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     ha, hb = kb.engine.block_hashes(a.ids, a.salts), kb.engine.block_hashes(b.ids, b.salts)
     assert ha[:shared_blocks] == hb[:shared_blocks] and not set(ha[shared_blocks:]) & set(hb[shared_blocks:])
     chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
-    assert kb.engine._chunk_key(chunk, "tenant:a") != kb.engine._chunk_key(chunk, "tenant:b")
+    assert kb.engine.chunk_key(chunk, "tenant:a") != kb.engine.chunk_key(chunk, "tenant:b")
 
 
 def test_cost_arithmetic_matches_the_seed() -> None:

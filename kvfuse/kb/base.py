@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -93,6 +94,8 @@ class KnowledgeBase:
         self.state_dir = state_dir
         self.costs = costs or CostModel()
         self._plans: dict[tuple[str, str | None], PrefixPlan] = {}
+        self._usage_mem: dict[str, Any] = {}  # usage when there is no state dir
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path, engine: Engine, tok: Tokenizer, state_dir: Path | None = None,
@@ -206,7 +209,7 @@ class KnowledgeBase:
         req = Request(suffix=suffix, prefix=plan.ids, chunks=chunk_ids, salts=plan.salts, chunk_salt=tenant or "")
         mode = "blend" if chunk_ids else "prefix"
         if chunk_ids:
-            written += sum(len(c) for c in chunk_ids if self.engine._chunk_key(c, req.chunk_salt)
+            written += sum(len(c) for c in chunk_ids if self.engine.chunk_key(c, req.chunk_salt)
                            not in self.engine.store)
             self.engine.precompute(req, mode)
         return Prepared(plan, req, mode, ratio if chunk_ids else None, written, tuple(chunks))
@@ -282,30 +285,31 @@ class KnowledgeBase:
 
     def _add_usage(self, plan: PrefixPlan, prompt: int, cached: int) -> float:
         """Add a request to the group's cumulative token counts; returns the cumulative cached share."""
+        def add(usage: dict[str, Any]) -> float:
+            g = usage.setdefault(plan.group, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            g["requests"] += 1
+            g["prompt_tokens"] += prompt
+            g["cached_tokens"] += cached
+            return g["cached_tokens"] / g["prompt_tokens"] if g["prompt_tokens"] else 0.0
+
         if self.state_dir is None:
-            key = (plan.group, plan.tenant)
-            tot = self.__dict__.setdefault("_usage", {}).setdefault(key, [0, 0])
-            tot[0] += prompt
-            tot[1] += cached
-            return tot[1] / tot[0] if tot[0] else 0.0
+            with self._lock:
+                return add(self._usage_mem)
         path = self.state_dir / "kb" / self.name / "usage.json"
-        with _locked(path):
+        with self._lock, _locked(path):  # threads of this process, then other processes
             usage: dict[str, Any] = {}
             if path.is_file():
                 try:
                     usage = json.loads(path.read_text())
                 except ValueError:
                     usage = {}
-            g = usage.setdefault(plan.group, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
-            g["requests"] += 1
-            g["prompt_tokens"] += prompt
-            g["cached_tokens"] += cached
+            share = add(usage)
             _write_json(path, usage)
-            return g["cached_tokens"] / g["prompt_tokens"] if g["prompt_tokens"] else 0.0
+            return share
 
     def usage(self) -> dict[str, Any]:
         if self.state_dir is None:
-            return {}
+            return dict(self._usage_mem)
         path = self.state_dir / "kb" / self.name / "usage.json"
         try:
             return dict(json.loads(path.read_text()))

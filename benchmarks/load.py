@@ -1,0 +1,119 @@
+"""Bounded load over loopback: N concurrent clients x M requests each, the same RAG requests sent as
+`blend` (documents fused from their cached chunk caches) and as `full` (kvfuse.mode = full).
+
+    .venv/bin/python benchmarks/load.py [--clients 4] [--requests 3] [--rounds 5] [--passages 6]
+
+A `kvfuse serve` process is started on a free loopback port with the default model and a fresh store.
+Each request carries a MuSiQue case's passages as `documents` and its question as the prompt; every
+distinct request is sent once before timing (its chunk caches are computed on first sight, as the
+server does). Per round, blend and full run back to back; TTFT is measured at the client (time to the
+first streamed token, queueing included). Reports p50/p95 TTFT, requests per second, and the median
+over rounds of the blend/full throughput ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import musique_cases  # noqa: E402
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one(url: str, body: dict) -> tuple[float, float]:
+    """(client TTFT, total seconds) of one streamed completion."""
+    t0 = time.perf_counter()
+    ttft = None
+    with httpx.Client(timeout=600) as h, h.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.perf_counter() - t0
+    return (ttft if ttft is not None else float("nan")), time.perf_counter() - t0
+
+
+def run(url: str, bodies: list[dict], clients: int, per_client: int) -> tuple[list[float], float]:
+    """Every client sends per_client requests in turn; returns the TTFTs and requests per second."""
+    def client(i: int) -> list[float]:
+        return [one(url, bodies[(i * per_client + j) % len(bodies)])[0] for j in range(per_client)]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        ttfts = [t for ts in pool.map(client, range(clients)) for t in ts]
+    return ttfts, clients * per_client / (time.perf_counter() - t0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=3, help="requests per client per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--passages", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    store = tempfile.mkdtemp(prefix="kvfuse-load-")
+    server = subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), "--store", store,
+                               "--max-queue", str(4 * args.clients), "--log-level", "warning"],
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        cases = musique_cases()[: args.clients * args.requests]
+        blend = [{"prompt": f"Question: {c['question']}\nAnswer:", "max_tokens": args.max_tokens, "temperature": 0,
+                  "documents": [{"text": p["text"]} for p in c["ctxs"][: args.passages]]} for c in cases]
+        full = [{**b, "kvfuse": {"mode": "full"}} for b in blend]
+        for b in blend:  # chunk caches are computed on first sight; time the reuse
+            one(url, b)
+        results: dict[str, list] = {"blend": [], "full": []}
+        for r in range(args.rounds):
+            for name, bodies in (("blend", blend), ("full", full)):
+                ttfts, rps = run(url, bodies, args.clients, args.requests)
+                results[name].append((ttfts, rps))
+                print(f"round {r + 1} {name}: p50 {pct(ttfts, 0.5):.2f} s, p95 {pct(ttfts, 0.95):.2f} s, "
+                      f"{rps:.3f} req/s", flush=True)
+        summary = {}
+        for name, rounds in results.items():
+            all_ttft = [t for ts, _ in rounds for t in ts]
+            summary[name] = {"ttft_p50_s": pct(all_ttft, 0.5), "ttft_p95_s": pct(all_ttft, 0.95),
+                             "rps_median": statistics.median(rps for _, rps in rounds)}
+        ratio = statistics.median(b[1] / f[1] for b, f in zip(results["blend"], results["full"], strict=True))
+        summary["throughput_ratio_blend_over_full"] = ratio
+        summary["setup"] = {"clients": args.clients, "requests_per_client": args.requests, "rounds": args.rounds,
+                            "passages": args.passages, "max_tokens": args.max_tokens}
+        print(json.dumps(summary, indent=1))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The Albarán knowledge base on the real default model: marked slow, and CI runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvfuse.cli import main
+
+pytestmark = pytest.mark.slow
+QUESTION = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+
+
+def _run(capsys, *argv: str) -> dict:  # type: ignore[no-untyped-def]
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_build_ask_and_reload_in_a_second_process(real_store, capsys) -> None:
+    built = _run(capsys, "kb", "build", "albaran", "--store", str(real_store), "--quiet")
+    assert set(built) >= {"tokens_total", "tokens_reused", "tokens_recomputed", "build_s", "bytes"}
+    assert built["tokens_total"] > 8000 and built["bytes"] > 0
+    a = _run(capsys, "ask", "--kb", "albaran", "--store", str(real_store), "--json", QUESTION)
+    assert set(a) >= {"answer", "ttft_s", "tokens", "cached_token_share", "cost_units", "citations", "group",
+                      "kb_version"}
+    assert a["group"] == "support" and a["kb_version"] == built["kb_version"]
+    assert a["tokens"]["cached"] == built["tokens_total"] // 16 * 16 and a["cached_token_share"] > 0.99
+    assert set(a["cost_units"]) == {"write", "read", "uncached", "total"} and a["cost_units"]["write"] == 0
+    for c in a["citations"]:
+        assert set(c) >= {"doc_id", "quote", "verified", "start", "end"}
+        if c["verified"]:  # a verified quote is really in that document, at those offsets
+            from kvfuse.kb.manifest import load_manifest
+
+            text = load_manifest("albaran").document(c["doc_id"]).text
+            assert " ".join(text[c["start"] : c["end"]].lower().split()) == " ".join(c["quote"].lower().split())
+    out = subprocess.run([sys.executable, "-m", "kvfuse", "kb", "build", "albaran", "--store", str(real_store),
+                          "--quiet"], capture_output=True, text=True, check=True).stdout
+    again = json.loads(out.strip().splitlines()[-1])
+    assert again["loaded"] and again["tokens_recomputed"] == 0 and again["tokens_reused"] == a["tokens"]["cached"]
+
+
+def test_hybrid_ask_with_a_ticket_index(real_store, tmp_path, capsys) -> None:
+    ix = _run(capsys, "index", "build", "albaran-tickets", "--out", str(tmp_path / "ix"))
+    assert ix["documents"] == 16 and ix["chunks"] >= 16
+    a = _run(capsys, "ask", "--kb", "albaran", "--store", str(real_store), "--index", str(tmp_path / "ix"),
+             "--top-k", "1", "--json", "--no-quote", "Is the customer on ticket 4812 entitled to a refund?")
+    assert a["mode"] == "blend" and a["retrieved"] == ["ticket-4812"]
+    assert a["tokens"]["cached"] > 8000 and a["recomputed_tokens"] > 0
+
+
+def test_compare_on_two_questions(real_store, tmp_path, capsys) -> None:
+    from importlib import resources
+
+    qs = resources.files("kvfuse").joinpath("data/albaran/questions.json")
+    res = _run(capsys, "compare", "--kb", "albaran", "--store", str(real_store), "--questions", str(qs),
+               "--cases", "2", "--methods", "cag,rag-bm25@2,rag-hybrid@2", "--json", "--quiet",
+               "--out", str(tmp_path / "cmp"))
+    assert set(res["methods"]) == {"cag", "rag-bm25@2", "rag-hybrid@2"}
+    for m in res["methods"].values():
+        assert 0 <= m["accuracy"] <= 1 and m["ttft_s_median"] > 0 and m["cost_units_mean"] > 0
+    rag = res["methods"]["rag-bm25@2"]
+    assert rag["search_misses"] + rag["reading_misses"] == round((1 - rag["accuracy"]) * 2)
+    assert res["methods"]["cag"]["cost_units_mean"] < 0.2 * res["builds"]["support"]["tokens_total"]
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 5000

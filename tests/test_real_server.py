@@ -1,0 +1,65 @@
+"""`kvfuse serve` as a process, with the real default model and the Albarán knowledge base (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import SHARED
+from serverutil import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(real_store, tmp_path_factory):  # type: ignore[no-untyped-def]
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text('[[keys]]\nkey = "sk-test-support"\ntenant = "acme"\n[keys.kb]\nalbaran = ["support"]\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), "--kb", "albaran",
+                             "--store", str(real_store), "--keys", str(keys), "--log-level", "warning"],
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_openai_client_against_the_real_server(server) -> None:
+    import openai
+
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="sk-test-support")
+    q = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+    r = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}], max_tokens=12,
+                                   temperature=0, extra_body={"kb": "albaran"})
+    assert r.choices[0].message.content and r.usage.prompt_tokens_details.cached_tokens > 8000
+    extra = r.model_extra["kvfuse"]
+    assert extra["group"] == "support" and extra["cached_token_share"] > 0.95 and "citations" in extra
+    parts = list(oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"kb": "albaran"}))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == r.choices[0].message.content
+
+
+def test_second_identical_request_with_documents_is_cached_and_faster(server) -> None:
+    case = json.loads((SHARED / "data" / "musique_dev.json").read_text())[7]
+    body = {"model": "gemma3-270m", "prompt": f"Question: {case['question']}\nAnswer:", "max_tokens": 4,
+            "temperature": 0, "documents": [{"text": c["text"]} for c in case["ctxs"][:4]]}
+    with httpx.Client(base_url=server, headers={"Authorization": "Bearer sk-test-support"}, timeout=300) as h:
+        first = h.post("/v1/completions", json=body).json()
+        second = h.post("/v1/completions", json=body).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 1000
+    assert second["kvfuse"]["ttft_s"] < first["kvfuse"]["ttft_s"]
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
