@@ -30,7 +30,7 @@ import torch
 
 from kvfuse import fuse
 from kvfuse.controller import Controller, Decision
-from kvfuse.kv import KVCache
+from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
@@ -254,11 +254,12 @@ class Engine:
         """The longest run of cached full blocks at the start of tokens, in order."""
         blocks = []
         dtype = self.model.embed_tokens.weight.dtype
-        for h in self.block_hashes(tokens, salts):
-            c = self.store.get(h)
-            if c is None:
-                break
-            blocks.append(c.to(dtype))
+        with one_thread():
+            for h in self.block_hashes(tokens, salts):
+                c = self.store.get(h)
+                if c is None:
+                    break
+                blocks.append(c.to(dtype))
         return blocks
 
     def _store_prefix(
@@ -266,11 +267,12 @@ class Engine:
     ) -> None:
         """Store every full block of tokens not yet in the store (cache covers at least tokens)."""
         bs = self.block_size
-        for j, h in enumerate(self.block_hashes(tokens, salts)):
-            if h not in self.store:
-                self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone(), pin=pin)
-            elif pin:
-                self.store.pin(h)
+        with one_thread():  # hundreds of small copies: see kv.one_thread
+            for j, h in enumerate(self.block_hashes(tokens, salts)):
+                if h not in self.store:
+                    self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone(), pin=pin)
+                elif pin:
+                    self.store.pin(h)
 
     def _exact_prefix(self, tokens: Sequence[int], salts: Sequence[Salt] = ()) -> KVCache:
         """The exact KV of a prefix: cached blocks plus a prefill of the rest."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfuse.config import ModelConfig, RopeSpec
-from kvfuse.kv import KVCache
+from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
@@ -96,9 +96,10 @@ def prefill(model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache]
 
 def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor) -> int:
     at = 0
-    for c in parts:
-        k_buf[:, :, at : at + len(c)], v_buf[:, :, at : at + len(c)] = c.k, c.v
-        at += len(c)
+    with one_thread():  # many small copies (prefix blocks): see kv.one_thread
+        for c in parts:
+            k_buf[:, :, at : at + len(c)], v_buf[:, :, at : at + len(c)] = c.k, c.v
+            at += len(c)
     return at
 
 

@@ -28,6 +28,7 @@ from kvfuse.kb.cost import CostModel
 from kvfuse.kb.manifest import Document, KBError, Manifest, delete_document, load_manifest, put_document
 from kvfuse.kb.prefix import PrefixPlan, plan_prefix, question_text
 from kvfuse.kb.quotes import Citation, find_quote, sentence_around, usable
+from kvfuse.kv import one_thread
 from kvfuse.rag.index import IndexChunk
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Tokenizer, complete_text
@@ -142,9 +143,10 @@ class KnowledgeBase:
         reused = self.cached_tokens(plan)
         loaded = reused == n_full
         if loaded:  # stored already: read every block once, so the first question finds them in memory
-            for h in hashes:
-                eng.store.pin(h)
-                eng.store.get(h)
+            with one_thread():
+                for h in hashes:
+                    eng.store.pin(h)
+                    eng.store.get(h)
             computed = 0
         else:
             computed = 0
