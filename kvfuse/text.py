@@ -131,6 +131,9 @@ class ChatTemplate:
     close_turn: str = "<end_of_turn>\n"
     assistant_role: str = "model"
     stop_marker: str | None = "<end_of_turn>"
+    stop_strings: tuple[str, ...] = ()  # where a reply ends when the model has no end-of-turn token
+    system_turns: bool = False  # False: system text opens the first user turn (Gemma has no system role)
+    content_prefix: str = ""  # between a turn's opening and its text
 
     @classmethod
     def for_tokenizer(cls, tok: Any) -> ChatTemplate:
@@ -138,7 +141,8 @@ class ChatTemplate:
         vocab = inner.get_vocab() if inner is not None and hasattr(inner, "get_vocab") else {}
         if "<start_of_turn>" in vocab and "<end_of_turn>" in vocab:
             return cls()
-        return cls(open_turn="{role}: ", close_turn="\n", assistant_role="Assistant", stop_marker=None)
+        return cls(open_turn="{role}:", close_turn="\n", assistant_role="Assistant", stop_marker=None,
+                   stop_strings=("\nUser:",), system_turns=True, content_prefix=" ")
 
     def role(self, role: str) -> str:
         if role == "assistant":
@@ -150,8 +154,19 @@ class ChatTemplate:
     def turns(self, tok: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The ids of finished turns (role, content), in order."""
         ids: list[int] = []
+        pending: list[str] = []  # system text waiting for the next user turn
         for role, content in messages:
-            ids += self.generation_prompt(tok, role) + tok.encode(content) + tok.encode(self.close_turn)
+            if role in ("system", "developer") and not self.system_turns:
+                pending.append(content)
+                continue
+            if role == "user" and pending:
+                content = "\n\n".join(pending + [content])
+                pending = []
+            ids += self.generation_prompt(tok, role) + tok.encode(self.content_prefix + content)
+            ids += tok.encode(self.close_turn)
+        if pending:  # system text and no user turn after it: a user turn of its own
+            ids += self.generation_prompt(tok, "user") + tok.encode(self.content_prefix + "\n\n".join(pending))
+            ids += tok.encode(self.close_turn)
         return ids
 
     def generation_prompt(self, tok: Any, role: str = "assistant") -> list[int]:

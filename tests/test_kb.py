@@ -175,6 +175,20 @@ def test_quote_verification() -> None:
     assert not usable("30 days") and usable("have 30 calendar days")
 
 
+def test_document_edits_are_checked_before_anything_is_written(kb) -> None:
+    from kvfuse.kb.manifest import with_document
+
+    for bad in (Document("ok", "T", "", 1, ("../x",), text="t"), Document("ok", "a\x00", "", 1, ("s",), text="t"),
+                Document("bad id", "T", "", 1, ("s",), text="t"),
+                Document("ok", "T", "../../x.md", 1, ("s",), text="t")):
+        with pytest.raises(KBError):
+            with_document(kb.manifest, bad)
+    before = (kb.manifest.root / "kb.toml").read_text()
+    with pytest.raises(KBError, match="window"):
+        kb.put_document(Document("huge", "Huge", "", 3, ("support",), text="x" * 600))
+    assert (kb.manifest.root / "kb.toml").read_text() == before and not (kb.manifest.root / "docs/huge.md").exists()
+
+
 def test_manifest_errors(tmp_path) -> None:
     with pytest.raises(KBError, match="no kb.toml"):
         load_manifest(tmp_path)
@@ -200,8 +214,43 @@ def test_concurrent_usage_updates_lose_nothing(kb) -> None:
     assert kb.usage()["support"] == {"requests": 80, "prompt_tokens": 800, "cached_tokens": 720}
 
 
-def test_over_long_prefix_is_refused(kb) -> None:
-    kb.put_document(Document("huge", "Huge", "docs/huge.md", 3, ("support",), False, "x" * 600))
+def test_over_long_prefix_is_refused(kb, tmp_path) -> None:
+    (kb.manifest.root / "docs" / "faq.md").write_text("x" * 600)  # edited on disk, behind kvfuse's back
+    kb.reload()
     with pytest.raises(KBError, match="window is 512"):
         kb.build("support")
     assert torch.is_tensor(kb.engine.model.embed_tokens.weight)
+
+
+def test_quote_offsets_survive_unicode_and_sentence_starts() -> None:
+    from kvfuse.kb.quotes import sentence_around
+
+    doc = Document("d", "D", "", 1, ("s",), text="İstanbul office: annual plans have 30 days. Next sentence here.")
+    c = find_quote("annual plans have 30 days", [doc])
+    assert c.verified and doc.text[c.start : c.end] == "annual plans have 30 days"
+    first = sentence_around(doc, 0, 5)
+    assert first.quote == "İstanbul office: annual plans have 30 days." and first.start == 0
+    assert first.source == "retrieval"
+
+
+def test_chat_template_keeps_conversations_prefix_stable() -> None:
+    from kvfuse.text import ChatTemplate
+
+    class Vocab:
+        def get_vocab(self):  # type: ignore[no-untyped-def]
+            return {"<start_of_turn>": 105, "<end_of_turn>": 106}
+
+    tok = CharTokenizer()
+    tok._tok = Vocab()  # type: ignore[attr-defined]
+    t = ChatTemplate.for_tokenizer(tok)
+    one = [("system", "Be brief."), ("user", "Hi")]
+    two = one + [("assistant", "Hello!"), ("user", "More?")]
+    first = t.turns(tok, one) + t.generation_prompt(tok)
+    assert (t.turns(tok, two) + t.generation_prompt(tok))[: len(first)] == first
+    def has(seq: list[int], text: str) -> bool:
+        sub = tok.encode(text)
+        return any(seq[i : i + len(sub)] == sub for i in range(len(seq)))
+
+    assert not has(first, "system") and has(first, "user\nBe brief.\n\nHi")  # folded into the user turn
+    plain = ChatTemplate.for_tokenizer(CharTokenizer())
+    assert plain.stop_strings == ("\nUser:",) and has(plain.turns(tok, one), "System: Be brief.\n")

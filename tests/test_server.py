@@ -37,10 +37,18 @@ demo = ["leads", "support"]
 [[keys]]
 key = "sk-nokb-000000"
 tenant = "beta"
+
+[[keys]]
+key = "sk-admin-support"
+tenant = "acme"
+admin = true
+[keys.kb]
+demo = ["support"]
 """
 SUPPORT = {"Authorization": "Bearer sk-support-000"}
 LEADS = {"Authorization": "Bearer sk-leads-00000"}
 NOKB = {"Authorization": "Bearer sk-nokb-000000"}
+ADMIN_SUPPORT = {"Authorization": "Bearer sk-admin-support"}
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +278,43 @@ def test_openapi_is_served(srv) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
             "/v1/kb/{name}/documents", "/v1/kb/{name}/documents/{doc_id}", "/v1/kb/{name}"} <= set(spec["paths"])
     assert json.dumps(spec)
+
+
+def test_tenants_never_hit_each_others_prompts(srv) -> None:
+    body = {"prompt": "A private prompt of tenant acme, long enough to fill some blocks.", "max_tokens": 1}
+    with client(srv) as h:
+        h.post("/v1/completions", json=body)
+        again = h.post("/v1/completions", json=body).json()
+    with client(srv, NOKB) as h:
+        other = h.post("/v1/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_admins_edit_only_their_groups_and_bad_documents_change_nothing(srv) -> None:
+    url, state = srv
+    kb = state.kbs["demo"]
+    manifest_before = (kb.manifest.root / "kb.toml").read_text()
+    with client(srv, ADMIN_SUPPORT) as h:
+        r = h.post("/v1/kb/demo/documents", json={"id": "x", "text": "hi", "groups": ["leads"]})
+        assert r.status_code == 403
+        assert h.delete("/v1/kb/demo/documents/margins").status_code == 404  # a leads document is invisible
+        assert h.post("/v1/kb/demo/documents", json={"id": "margins", "text": "mine now"}).status_code == 404
+    with client(srv, LEADS) as h:
+        for bad in ({"id": "g", "text": "x", "groups": ["../../etc"]}, {"id": "t", "text": "x", "title": "a\x00b"},
+                    {"id": "long", "text": "y" * 600}):
+            r = h.post("/v1/kb/demo/documents", json=bad)
+            assert r.status_code in (400, 403), (bad, r.text)  # a group outside the key's is refused first
+    assert (kb.manifest.root / "kb.toml").read_text() == manifest_before
+    assert not (kb.manifest.root / "docs" / "long.md").exists()
+
+
+def test_unsupported_and_null_parameters(srv) -> None:
+    with client(srv) as h:
+        r = h.post("/v1/completions", json={"prompt": "hi", "logprobs": 2, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+        ok = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "temperature": None, "top_p": None,
+                                             "n": None, "stream": None, "logprobs": None, "echo": False})
+        assert ok.status_code == 200, ok.text
+        assert h.post("/v1/completions", json={"prompt": "hi", "seed": 2**64}).status_code == 400
+        assert h.post("/v1/completions", json={"prompt": "hi", "kvfuse": {"quote": True}}).status_code == 400

@@ -25,7 +25,15 @@ from typing import Any
 
 from kvfuse.engine import Engine, Request
 from kvfuse.kb.cost import CostModel
-from kvfuse.kb.manifest import Document, KBError, Manifest, delete_document, load_manifest, put_document
+from kvfuse.kb.manifest import (
+    Document,
+    KBError,
+    Manifest,
+    delete_document,
+    load_manifest,
+    put_document,
+    with_document,
+)
 from kvfuse.kb.prefix import PrefixPlan, plan_prefix, question_text
 from kvfuse.kb.quotes import Citation, find_quote, sentence_around, usable
 from kvfuse.kv import one_thread
@@ -94,7 +102,7 @@ class KnowledgeBase:
         self.engine, self.tok, self.manifest = engine, tok, manifest
         self.state_dir = state_dir
         self.costs = costs or CostModel()
-        self._plans: dict[tuple[str, str | None], PrefixPlan] = {}
+        self._plans: dict[tuple[str, str | None], tuple[Manifest, PrefixPlan]] = {}
         self._usage_mem: dict[str, Any] = {}  # usage when there is no state dir
         self._lock = threading.Lock()
 
@@ -108,10 +116,18 @@ class KnowledgeBase:
         return self.manifest.name
 
     def plan(self, group: str, tenant: str | None = None) -> PrefixPlan:
+        """The group's prefix for the current manifest (safe to call while another thread edits)."""
         key = (group, tenant or None)
-        if key not in self._plans:
-            self._plans[key] = plan_prefix(self.manifest, self.tok, group, tenant or None)
-        return self._plans[key]
+        with self._lock:
+            manifest = self.manifest
+            cached = self._plans.get(key)
+            if cached is not None and cached[0] is manifest:
+                return cached[1]
+        plan = plan_prefix(manifest, self.tok, group, tenant or None)
+        with self._lock:
+            if self.manifest is manifest:
+                self._plans[key] = (manifest, plan)
+        return plan
 
     def _check_length(self, plan: PrefixPlan, extra: int = 0) -> None:
         limit = self.engine.cfg.max_position_embeddings
@@ -319,16 +335,22 @@ class KnowledgeBase:
             return {}
 
     def put_document(self, doc: Document) -> None:
-        self.manifest = put_document(self.manifest, doc)
-        self._plans.clear()
+        """Add or replace a document; refused before anything is written if a group's prefix would not fit."""
+        new = with_document(self.manifest, doc)
+        for g in new.document(doc.id).groups:
+            self._check_length(plan_prefix(new, self.tok, g))
+        self._swap(put_document(self.manifest, doc))
 
     def delete_document(self, doc_id: str) -> None:
-        self.manifest = delete_document(self.manifest, doc_id)
-        self._plans.clear()
+        self._swap(delete_document(self.manifest, doc_id))
 
     def reload(self) -> None:
-        self.manifest = load_manifest(self.manifest.root)
-        self._plans.clear()
+        self._swap(load_manifest(self.manifest.root))
+
+    def _swap(self, manifest: Manifest) -> None:
+        with self._lock:
+            self.manifest = manifest
+            self._plans.clear()
 
 
 @contextmanager

@@ -15,6 +15,7 @@ The name `albaran` anywhere a knowledge-base directory is expected means the bun
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -138,7 +139,8 @@ def load_manifest(path: str | Path) -> Manifest:
 
 
 def _toml_str(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """A TOML basic string: JSON's escapes (quotes, backslashes, control characters) are TOML's too."""
+    return json.dumps(s, ensure_ascii=False)
 
 
 def dump_manifest(m: Manifest) -> str:
@@ -166,20 +168,30 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def put_document(m: Manifest, doc: Document) -> Manifest:
-    """Add or replace a document: its file is written first, then the manifest, each atomically."""
+def with_document(m: Manifest, doc: Document) -> Manifest:
+    """The manifest with doc added or replaced (checked, nothing written)."""
     if not _ID.match(doc.id):
         raise KBError(f"document id must be 1-128 letters, digits, '.', '_' or '-', got {doc.id!r}")
-    if not doc.groups:
-        raise KBError("a document needs at least one group")
+    if not doc.groups or not all(_ID.match(g) for g in doc.groups):
+        raise KBError(f"a document needs one or more groups named with letters, digits, '.', '_' or '-', "
+                      f"got {list(doc.groups)}")
+    if any(ord(ch) < 32 for ch in doc.title) or not doc.title.strip():
+        raise KBError("a document title must be non-empty, on one line, without control characters")
+    if not doc.text.strip():
+        raise KBError(f"document {doc.id!r} is empty")
     rel = doc.path or f"docs/{doc.id}.md"
     target = (m.root / rel).resolve()
     if m.root.resolve() not in target.parents:
         raise KBError(f"document path {rel!r} must stay inside the knowledge base directory")
     doc = replace(doc, path=rel, text=normalize_text(doc.text))
-    _atomic_write(target, doc.text + "\n")
-    docs = tuple(d for d in m.documents if d.id != doc.id) + (doc,)
-    new = replace(m, documents=docs)
+    return replace(m, documents=tuple(d for d in m.documents if d.id != doc.id) + (doc,))
+
+
+def put_document(m: Manifest, doc: Document) -> Manifest:
+    """Add or replace a document: its file is written first, then the manifest, each atomically."""
+    new = with_document(m, doc)
+    saved = new.document(doc.id)
+    _atomic_write((m.root / saved.path).resolve(), saved.text + "\n")
     _atomic_write(m.root / MANIFEST, dump_manifest(new))
     return new
 

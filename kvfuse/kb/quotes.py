@@ -44,8 +44,9 @@ def _normalize_with_map(text: str) -> tuple[str, list[int]]:
             in_space = True
             continue
         in_space = False
-        out.append(ch.lower())
-        where.append(i)
+        for low in ch.lower():  # some characters lower-case to two ("İ"): each maps back to i
+            out.append(low)
+            where.append(i)
     return "".join(out), where
 
 
@@ -80,7 +81,12 @@ def find_quote(quote: str, docs: Sequence[Document]) -> Citation:
 def sentence_around(doc: Document, start: int, end: int) -> Citation:
     """The sentence(s) of doc covering [start, end), as a retrieval-sourced supporting passage."""
     text = doc.text
-    s = max(text.rfind(". ", 0, start) + 2, text.rfind("\n", 0, start) + 1, 0)
+    dot = text.rfind(". ", 0, start)
+    s = max(dot + 2 if dot >= 0 else 0, text.rfind("\n", 0, start) + 1)
     candidates = [i for i in (text.find(". ", end), text.find("\n", end)) if i >= 0]
     e = min(candidates) + 1 if candidates else len(text)
-    return Citation(doc.id, text[s:e].strip(), True, s, s + len(text[s:e].strip()), source="retrieval")
+    while s < e and text[s].isspace():
+        s += 1
+    while e > s and text[e - 1].isspace():
+        e -= 1
+    return Citation(doc.id, text[s:e], True, s, e, source="retrieval")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,8 +28,10 @@ from kvfuse.server.auth import ANONYMOUS, Keys, Principal
 from kvfuse.server.metrics import Metrics
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest, DocumentUpsert, KvfuseOptions
 from kvfuse.server.worker import QueueFull, Worker
+from kvfuse.store.keys import Salt
 from kvfuse.text import ChatTemplate, stream_text
 
+log = logging.getLogger(__name__)
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -80,6 +83,7 @@ class Planned:
     tenant: str | None
     opts: KvfuseOptions
     question: str
+    plan_tokens: int = 0  # how much of the request's prefix is the knowledge base's (0: none)
 
 
 def _principal(state: ServerState, request: Request) -> Principal:
@@ -119,6 +123,10 @@ def _group(kb: KnowledgeBase, principal: Principal, wanted: str | None) -> str:
 def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionRequest, principal: Principal,
                  chat: bool) -> Planned:
     eng, tok = state.engine, state.tok
+    bad = body.unsupported()
+    if bad is not None:
+        raise ApiError(400, f"The parameter {bad!r} is not supported by this server; remove it.", param=bad,
+                       code="unsupported_parameter")
     if body.model is not None and body.model != state.model_id:
         raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {state.model_id!r}.",
                        param="model", code="model_not_found")
@@ -137,6 +145,7 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         chunks.append(doc_ids)
     opts = body.kvfuse or KvfuseOptions()
     kb = group = None
+    plan_ids: tuple[int, ...] = ()
     bos = [tok.bos_id] if tok.bos_id is not None else []
     prefix: list[int] = list(bos)
     salts: tuple[Any, ...] = ()
@@ -148,6 +157,7 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         except KBError as e:
             raise ApiError(400, str(e), param="kb") from None
         prefix, salts = list(plan.ids), plan.salts
+        plan_ids = plan.ids
     elif opts.group is not None:
         raise ApiError(400, "kvfuse.group applies only with a kb.", param="kvfuse.group")
     stop_ids = list(eng.cfg.eos_token_ids)
@@ -188,6 +198,9 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
     mode = opts.mode or ("blend" if chunks else "prefix")
     if opts.ratio is not None and mode != "blend":
         raise ApiError(400, f"kvfuse.ratio applies only to mode 'blend', not {mode!r}.", param="kvfuse.ratio")
+    if principal.tenant:  # everything after the knowledge base (or BOS) is the tenant's own: salt it
+        start = len(plan_ids) if kb is not None else len(bos)
+        salts = tuple(salts) + (Salt(start, 1 << 62, f"tenant:{principal.tenant}"),)
     req = EngineRequest(suffix=tuple(suffix), prefix=tuple(prefix), chunks=tuple(chunks), salts=salts,
                         chunk_salt=f"tenant:{principal.tenant}" if principal.tenant else "")
     window = eng.cfg.max_position_embeddings
@@ -200,11 +213,17 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
                        param="messages" if chat else "prompt", code="context_length_exceeded")
     try:
         eng.validate(req, mode, opts.ratio, max_tokens)
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop_token_ids=tuple(stop_ids))
+        params = SamplingParams(max_tokens=max_tokens,
+                                temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                                stop_token_ids=tuple(stop_ids))
     except (RequestError, ModeUnavailableError, ValueError) as e:
         raise ApiError(400, str(e), param="kvfuse") from None
-    return Planned(req, mode, opts.ratio, params, body.stops(), kb, group, principal.tenant, opts, question)
+    if opts.quote and (kb is None or not question.strip()):
+        raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
+    stops = body.stops() + (list(state.chat.stop_strings) if chat else [])
+    return Planned(req, mode, opts.ratio, params, stops, kb, group, principal.tenant, opts, question,
+                   len(plan_ids))
 
 
 @dataclass
@@ -214,38 +233,66 @@ class Outcome:
     finish_reason: str
     citations: list[Citation]
     cancelled: bool
+    built_tokens: int = 0  # knowledge-base prefix tokens computed for this request (cold cache)
+    build_s: float = 0.0
 
 
 def run_planned(state: ServerState, p: Planned, cancel: threading.Event, emit: Any, streaming: bool) -> Outcome:
     """On the worker thread: build the kb prefix if needed, generate, cite, and count."""
     eng, tok = state.engine, state.tok
-    if p.kb is not None and p.group is not None:
-        plan = p.kb.plan(p.group, p.tenant)
-        if p.kb.cached_tokens(plan) < len(plan.ids) // eng.block_size * eng.block_size:
-            p.kb.build(p.group, p.tenant)
+    built, build_s = 0, 0.0
+    if cancel.is_set():
+        raise asyncio.CancelledError()
+    kb, group = p.kb, p.group
+    if kb is not None and group is not None:
+        plan = kb.plan(group, p.tenant)
+        req = p.request
+        if plan.ids != req.prefix[: p.plan_tokens]:  # the knowledge base was edited after this request was planned
+            tenant = [s for s in req.salts if s.key.startswith("tenant:") and s.end > len(req.prefix)]
+            moved = [replace(s, start=len(plan.ids)) for s in tenant]
+            req = replace(req, prefix=plan.ids + req.prefix[p.plan_tokens :], salts=plan.salts + tuple(moved))
+            p = replace(p, request=req, plan_tokens=len(plan.ids))
+        if kb.cached_tokens(plan) < len(plan.ids) // eng.block_size * eng.block_size:
+            report = kb.build(group, p.tenant)
+            built, build_s = report.tokens_recomputed, report.build_s
     stream = eng.stream(p.request, p.mode, p.ratio, p.params)
+
+    def tokens() -> Iterator[int]:  # stops at the next token once the client has gone
+        for t in stream:
+            if cancel.is_set():
+                return
+            yield t
+
     pieces: list[str] = []
-    texts = stream_text(stream, tok, p.stops)
-    cancelled = False
+    texts = stream_text(tokens(), tok, p.stops)
+    stopped_by_string = False
     for delta in texts:
-        if cancel.is_set():
-            cancelled = True
-            break
         pieces.append(delta)
         if streaming:
             emit("delta", delta)
     texts.close()
     stream.close()
+    cancelled = cancel.is_set()
     result = stream.result
     text = "".join(pieces)
+    if result is not None and p.stops:
+        full_text = tok.decode(result.tokens)
+        stopped_by_string = any(s in full_text for s in p.stops)
     citations: list[Citation] = []
     if p.kb is not None and p.group is not None and not cancelled:
-        citations = _citations(p, text)
+        try:
+            citations = _citations(p, text)
+        except Exception:  # a failed citation must not cost the answer
+            log.exception("citations failed")
     if result is not None:
         c = result.counts
-        state.metrics.observe(result.ttft_s, c.prompt, c.cached, c.recomputed, len(result.tokens))
+        cached = max(0, c.cached - built)
+        state.metrics.observe(result.ttft_s + build_s, c.prompt, cached, c.recomputed, len(result.tokens))
+        if p.kb is not None and p.group is not None:
+            p.kb._add_usage(p.kb.plan(p.group, p.tenant), c.prompt, cached)
     hit_limit = result is not None and len(result.tokens) >= p.params.max_tokens and result.finish_reason == "length"
-    return Outcome(text, result, "length" if hit_limit else "stop", citations, cancelled)
+    finish = "length" if hit_limit and not stopped_by_string else "stop"
+    return Outcome(text, result, finish, citations, cancelled, built, build_s)
 
 
 def _citations(p: Planned, text: str) -> list[Citation]:
@@ -265,18 +312,20 @@ def _citations(p: Planned, text: str) -> list[Citation]:
     return found + ([support] if support is not None else [])
 
 
-def _usage(result: Any) -> dict[str, Any]:
-    c = result.counts
-    n = len(result.tokens)
+def _usage(o: Outcome) -> dict[str, Any]:
+    c = o.result.counts
+    n = len(o.result.tokens)
     return {"prompt_tokens": c.prompt, "completion_tokens": n, "total_tokens": c.prompt + n,
-            "prompt_tokens_details": {"cached_tokens": c.cached}}
+            "prompt_tokens_details": {"cached_tokens": max(0, c.cached - o.built_tokens)}}
 
 
 def _kvfuse(p: Planned, o: Outcome) -> dict[str, Any]:
     r = o.result
     c = r.counts
-    return {"ttft_s": round(r.ttft_s, 6), "mode": p.mode, "ratio": r.ratio, "recomputed_tokens": c.recomputed,
-            "cached_token_share": round(c.cached / c.prompt, 4) if c.prompt else 0.0,
+    cached = max(0, c.cached - o.built_tokens)  # a prefix built for this request was computed, not cached
+    return {"ttft_s": round(r.ttft_s + o.build_s, 6), "mode": p.mode, "ratio": r.ratio,
+            "recomputed_tokens": c.recomputed, "kb_build_s": round(o.build_s, 6),
+            "cached_token_share": round(cached / c.prompt, 4) if c.prompt else 0.0,
             "controller": r.controller.as_dict() if r.controller is not None else None,
             "citations": [x.as_dict() for x in o.citations], "kb": p.kb.name if p.kb else None, "group": p.group}
 
@@ -290,7 +339,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        state.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        state.metrics.requests.labels(_route(request), str(e.status)).inc()
         return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -318,8 +367,10 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": state.model_id, "queue_depth": state.worker.depth}
+    async def health() -> JSONResponse:
+        ok = state.worker.alive
+        return JSONResponse({"status": "ok" if ok else "worker stopped", "model": state.model_id,
+                             "queue_depth": state.worker.depth}, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -344,7 +395,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
         principal = _principal(state, request)
         planned = plan_request(state, body, principal, chat)
-        streaming = body.stream
+        streaming = bool(body.stream)
         try:
             job = state.worker.submit(lambda cancel, emit: run_planned(state, planned, cancel, emit, streaming))
         except QueueFull as e:
@@ -353,7 +404,7 @@ def create_app(state: ServerState) -> FastAPI:
                            headers={"Retry-After": str(e.retry_after)}) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        path = request.url.path
+        path = _route(request)
         if streaming:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(job, planned, rid, created, chat, include_usage, path),
@@ -367,7 +418,7 @@ def create_app(state: ServerState) -> FastAPI:
             choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": state.model_id, "choices": [choice],
-                             "usage": _usage(outcome.result), "kvfuse": _kvfuse(planned, outcome)})
+                             "usage": _usage(outcome), "kvfuse": _kvfuse(planned, outcome)})
 
     async def _wait(job: Any, request: Request) -> Outcome:
         """The job's outcome; a client that disconnects meanwhile cancels it."""
@@ -409,7 +460,7 @@ def create_app(state: ServerState) -> FastAPI:
                     yield chunk(None, value.finish_reason, {"kvfuse": _kvfuse(p, value)})
                     if include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                "choices": [], "usage": _usage(value.result)}
+                                "choices": [], "usage": _usage(value)}
                         yield f"data: {json.dumps(body)}\n\n"
                     state.metrics.requests.labels(path, "200").inc()
                 else:
@@ -421,13 +472,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     # -- knowledge bases -------------------------------------------------------------------------------
 
-    def _kb_admin(request: Request, name: str) -> KnowledgeBase:
+    def _kb_admin(request: Request, name: str) -> tuple[KnowledgeBase, tuple[str, ...] | None]:
+        """The knowledge base and the groups this admin key may edit (None: any)."""
         principal = _principal(state, request)
         kb = _kb_for(state, name, principal)
         if not principal.admin:
             raise ApiError(403, "This key may not edit knowledge bases (it needs admin = true).", "permission_error",
                            code="not_admin")
-        return kb
+        return kb, principal.groups_for(name)
+
+    def _editable(kb: KnowledgeBase, doc_id: str, allowed: tuple[str, ...] | None) -> Document | None:
+        """The existing document, if any; one outside the key's groups is treated as absent (no leak)."""
+        old = next((d for d in kb.manifest.documents if d.id == doc_id), None)
+        if old is not None and allowed is not None and not set(old.groups) <= set(allowed):
+            raise ApiError(404, f"No document {doc_id!r} in knowledge base {kb.name!r} that this key may edit.",
+                           "not_found_error", param="id", code="document_not_found")
+        return old
 
     async def _on_worker(fn: Any, request: Request) -> Any:
         try:
@@ -443,13 +503,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/kb/{name}/documents")
     async def put_document(name: str, body: DocumentUpsert, request: Request) -> dict[str, Any]:
-        kb = _kb_admin(request, name)
+        kb, allowed = _kb_admin(request, name)
+        _editable(kb, body.id, allowed)
+        if body.groups and allowed is not None and not set(body.groups) <= set(allowed):
+            raise ApiError(403, f"This key may edit only documents of {', '.join(allowed)}.", "permission_error",
+                           param="groups", code="group_not_allowed")
 
         def work() -> dict[str, Any]:
             with state.kb_lock:
                 m = kb.manifest
-                old = next((d for d in m.documents if d.id == body.id), None)
-                groups = tuple(body.groups) if body.groups else (old.groups if old else m.groups)
+                old = _editable(kb, body.id, allowed)
+                groups = tuple(body.groups) if body.groups else (
+                    old.groups if old else (allowed if allowed is not None else m.groups))
                 doc = Document(body.id, body.title or (old.title if old else body.id),
                                old.path if old else f"docs/{body.id}.md",
                                body.stability if body.stability is not None else (
@@ -464,8 +529,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/kb/{name}/documents/{doc_id}")
     async def delete_document(name: str, doc_id: str, request: Request) -> dict[str, Any]:
-        kb = _kb_admin(request, name)
-        if doc_id not in {d.id for d in kb.manifest.documents}:
+        kb, allowed = _kb_admin(request, name)
+        if _editable(kb, doc_id, allowed) is None:
             raise ApiError(404, f"No document {doc_id!r} in knowledge base {name!r}.", "not_found_error",
                            param="doc_id", code="document_not_found")
 
@@ -501,10 +566,16 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _route(request: Request) -> str:
+    """The matched route's template (never the raw path: metric labels must stay few)."""
+    route = request.scope.get("route")
+    return str(getattr(route, "path", "unmatched"))
+
+
 def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
-    if isinstance(e, KBError | RequestError | ModeUnavailableError | ValueError):
+    if isinstance(e, KBError | RequestError | ModeUnavailableError):
         return ApiError(400, str(e))
     if isinstance(e, asyncio.CancelledError):
         return ApiError(499, "The request was cancelled.", code="cancelled")

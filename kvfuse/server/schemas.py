@@ -7,13 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MODES = ("full", "prefix", "reuse", "blend", "legolink")
+MAX_CHARS = 400_000  # per text field: far past any model window, but bounded before tokenising
 
 
 class InputDocument(BaseModel):
     """A chunk fused with blend: its cache is computed the first time it is seen and reused afterwards."""
 
     id: str | None = None
-    text: str = Field(min_length=1)
+    text: str = Field(min_length=1, max_length=MAX_CHARS)
 
 
 class KvfuseOptions(BaseModel):
@@ -41,17 +42,41 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
-    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="default 1.0")
+    n: int | None = Field(default=None, ge=1, le=1, description="only n=1 is supported")
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     user: str | None = None
-    documents: list[InputDocument] | None = None
-    kb: str | None = None
+    documents: list[InputDocument] | None = Field(default=None, max_length=1024)
+    kb: str | None = Field(default=None, max_length=128)
     kvfuse: KvfuseOptions | None = None
+    # accepted for compatibility, refused when they would change the output (see unsupported())
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    tools: list[dict] | None = None  # type: ignore[type-arg]
+    response_format: dict | None = None  # type: ignore[type-arg]
+
+    def unsupported(self) -> str | None:
+        """The first parameter given that this server cannot honour, if any."""
+        if self.logprobs or self.top_logprobs:
+            return "logprobs"
+        if self.echo:
+            return "echo"
+        if self.best_of is not None and self.best_of > 1:
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -67,21 +92,22 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(description="one prompt: a string, a list of one string, or token ids")
+    prompt: str | list[str] | list[int] = Field(description="one prompt: a string, a list of one string, or token ids",
+                                                max_length=MAX_CHARS)
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str = "text"
-    text: str | None = None
+    text: str | None = Field(default=None, max_length=MAX_CHARS)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, max_length=MAX_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -92,7 +118,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
@@ -100,8 +126,8 @@ class DocumentUpsert(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1, max_length=128)
-    text: str = Field(min_length=1)
-    title: str | None = None
+    text: str = Field(min_length=1, max_length=MAX_CHARS)
+    title: str | None = Field(default=None, max_length=512)
     stability: int | None = None
     groups: list[str] | None = None
     shared: bool | None = None

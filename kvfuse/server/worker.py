@@ -55,6 +55,10 @@ class Worker:
         self._thread.start()
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def depth(self) -> int:
         """Requests waiting or running."""
         return self._depth
@@ -84,7 +88,10 @@ class Worker:
                 else:
                     job.emit("done", job.fn(job.cancel, job.emit))
             except BaseException as e:  # reported to the request; the worker keeps serving
-                job.emit("error", e)
+                try:
+                    job.emit("error", e)
+                except RuntimeError:  # the request's event loop is gone: nobody is waiting
+                    pass
             finally:
                 with self._lock:
                     self._depth -= 1
