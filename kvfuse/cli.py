@@ -158,7 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "ratio": result.ratio,
         "ttft_s": round(result.ttft_s, 6),
         "precompute_s": round(precompute_s, 6),
-        "tokens": result.counts.as_dict(),
+        "tokens": {k: v for k, v in result.counts.as_dict().items() if k != "cached"},  # the issue-A contract
         "first_token_top": [[i, round(lp, 6)] for i, lp in result.first_token_top(20)],
         "store": result.store.as_dict(),
         "controller": result.controller.as_dict() if result.controller is not None else None,
