@@ -41,6 +41,10 @@ def test_openai_client_against_the_real_server(server) -> None:
 
     oc = openai.OpenAI(base_url=server + "/v1", api_key="sk-test-support")
     q = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+    cold = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Hello"}],
+                                      max_tokens=2, temperature=0, extra_body={"kb": "albaran"})
+    # tenant acme's private documents are salted: its first request builds them, and says so
+    assert cold.model_extra["kvfuse"]["kb_build_s"] > 0
     r = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}], max_tokens=12,
                                    temperature=0, extra_body={"kb": "albaran"})
     assert r.choices[0].message.content and r.usage.prompt_tokens_details.cached_tokens > 8000
