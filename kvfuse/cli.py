@@ -13,15 +13,12 @@ RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15), or auto (
 
 
 def _ratio(value: str) -> float | str:
-    if value == "auto":
-        return value
+    from kvfuse.engine import parse_ratio
+
     try:
-        r = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratio takes a number between 0 and 1 or 'auto', got {value!r}") from None
-    if not 0.0 <= r <= 1.0:
-        raise argparse.ArgumentTypeError(f"--ratio must be between 0 and 1, got {value}")
-    return r
+        return parse_ratio(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--ratio: {e}") from None
 
 
 def _read(path: str, flag: str) -> str:
@@ -139,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvfuse: {e}") from None
     engine = _load_engine(args)
-    _attach_controller(engine, args, measure=args.mode == "blend")
+    attach_controller(engine, _store_dir(args), args.mode == "blend", args.floor, _costs(getattr(args, "cost", [])))
     tok = Tokenizer(resolve_model_path(args.model))
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
@@ -224,7 +221,8 @@ def _costs(pairs: list[str]) -> dict[str, float]:
     return out
 
 
-def _attach_controller(engine: Any, args: argparse.Namespace, measure: bool) -> None:
+def attach_controller(engine: Any, store_dir: Path | None, measure: bool = True, floor: float = 0.15,
+                      costs: dict[str, float] | None = None) -> None:
     """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
     requests always get one, so their results say what the controller predicted)."""
     from kvfuse.controller import Controller, load_or_profile, profile_path
@@ -232,8 +230,7 @@ def _attach_controller(engine: Any, args: argparse.Namespace, measure: bool) -> 
 
     if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
         return
-    prof = load_or_profile(engine, cache_dir(), _store_dir(args), costs=_costs(getattr(args, "cost", [])))
-    engine.controller = Controller(prof, getattr(args, "floor", 0.15))
+    engine.controller = Controller(load_or_profile(engine, cache_dir(), store_dir, costs=costs), floor)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -44,6 +44,19 @@ log = logging.getLogger(__name__)
 MODES = ("full", "prefix", "reuse", "blend", "legolink")
 LEGOLINK_HEAD_TOKENS = 16
 Ratio = float | str | None  # a number in [0, 1], "auto" (the controller decides) or None (the default)
+
+
+def parse_ratio(text: str) -> float | str:
+    """A ratio as users write it: a number between 0 and 1, or 'auto'; ValueError says what is wrong."""
+    if text == "auto":
+        return text
+    try:
+        r = float(text)
+    except ValueError:
+        raise ValueError(f"the ratio must be a number between 0 and 1 or 'auto', got {text!r}") from None
+    if not 0.0 <= r <= 1.0:
+        raise ValueError(f"the ratio must be between 0 and 1, got {text}")
+    return r
 BLOCK_SIZE = 16
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|
 

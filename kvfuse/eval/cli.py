@@ -74,7 +74,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
     if any(m.name == "blend@auto" for m in methods):
-        _attach_controller(engine)
+        from kvfuse.cli import attach_controller
+
+        attach_controller(engine, None)
     settings = EvalSettings(args.top_k, args.chunk_tokens, args.max_tokens)
     results = run_eval(engine, tok, cases, methods, settings, name, str(args.data), progress=not args.quiet)
     paths = write_outputs(results, out)
@@ -93,12 +95,6 @@ def _engine(model: str | None):  # type: ignore[no-untyped-def]
     print(f"loading {path}", file=sys.stderr, flush=True)
     return Engine.load(path), Tokenizer(path), Path(path).name
 
-
-def _attach_controller(engine) -> None:  # type: ignore[no-untyped-def]
-    from kvfuse.controller import Controller, load_or_profile
-    from kvfuse.weights import cache_dir
-
-    engine.controller = Controller(load_or_profile(engine, cache_dir(), None))
 
 
 def _crosschunk(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kvfuse.engine import Engine, Generation, Request
+from kvfuse.engine import Engine, Generation, Request, parse_ratio
 from kvfuse.eval.data import Case
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_text
@@ -219,15 +219,10 @@ class MapRerank:
 def _ratio_arg(arg: str | None) -> float | str:
     if arg is None:
         raise ValueError("blend needs a ratio: blend@0.15 or blend@auto")
-    if arg == "auto":
-        return arg
     try:
-        r = float(arg)
-    except ValueError:
-        raise ValueError(f"blend@{arg}: the ratio must be a number between 0 and 1 or 'auto'") from None
-    if not 0.0 <= r <= 1.0:
-        raise ValueError(f"blend@{arg}: the ratio must be between 0 and 1")
-    return r
+        return parse_ratio(arg)
+    except ValueError as e:
+        raise ValueError(f"blend@{arg}: {e}") from None
 
 
 def _int_arg(name: str, arg: str | None, default: int) -> int:

@@ -7,6 +7,8 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -46,16 +48,11 @@ def best_rouge_l(prediction: str, answers: Sequence[str]) -> float:
     return max((rouge_l(prediction, a) for a in answers), default=0.0)
 
 
-_SCORER = None
+@lru_cache(maxsize=1)
+def _scorer() -> Any:
+    from rouge_score import rouge_scorer
 
-
-def _scorer():  # type: ignore[no-untyped-def]
-    global _SCORER
-    if _SCORER is None:
-        from rouge_score import rouge_scorer
-
-        _SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return _SCORER
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 
 def contains_gold(prediction: str, answers: Sequence[str]) -> bool:

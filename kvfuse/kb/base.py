@@ -146,6 +146,12 @@ class KnowledgeBase:
             n += self.engine.block_size
         return n
 
+    def ensure_built(self, group: str, tenant: str | None = None) -> BuildReport | None:
+        """Build the group's prefix if some full block of it is not stored; None when nothing was missing."""
+        plan = self.plan(group, tenant)
+        bs = self.engine.block_size
+        return self.build(group, tenant) if self.cached_tokens(plan) < len(plan.ids) // bs * bs else None
+
     def build(self, group: str, tenant: str | None = None, progress: bool = False) -> BuildReport:
         """Compute and store (pinned) what is not cached of the group's prefix; load it when all is."""
         from tqdm import tqdm
@@ -194,12 +200,7 @@ class KnowledgeBase:
         if path is None:
             return
         with _locked(path):
-            old: dict[str, Any] = {}
-            if path.is_file():
-                try:
-                    old = json.loads(path.read_text())
-                except ValueError:
-                    old = {}
+            old = _read_json(path)
             keep = set(hashes)
             for h in old.get("blocks", []):
                 if h not in keep:
@@ -221,9 +222,8 @@ class KnowledgeBase:
         suffix = tuple(self.tok.encode(suffix_text if suffix_text is not None else question_text(question)))
         chunk_ids = tuple(tuple(self.tok.encode(c.headed.strip() + "\n\n")) for c in chunks)
         self._check_length(plan, len(suffix) + sum(len(c) for c in chunk_ids))
-        written = 0
-        if self.cached_tokens(plan) < len(plan.ids) // self.engine.block_size * self.engine.block_size:
-            written += self.build(group, tenant).tokens_recomputed
+        report = self.ensure_built(group, tenant)
+        written = report.tokens_recomputed if report is not None else 0
         req = Request(suffix=suffix, prefix=plan.ids, chunks=chunk_ids, salts=plan.salts, chunk_salt=tenant or "")
         mode = "blend" if chunk_ids else "prefix"
         if chunk_ids:
@@ -315,12 +315,7 @@ class KnowledgeBase:
                 return add(self._usage_mem)
         path = self.state_dir / "kb" / self.name / "usage.json"
         with self._lock, _locked(path):  # threads of this process, then other processes
-            usage: dict[str, Any] = {}
-            if path.is_file():
-                try:
-                    usage = json.loads(path.read_text())
-                except ValueError:
-                    usage = {}
+            usage = _read_json(path)
             share = add(usage)
             _write_json(path, usage)
             return share
@@ -328,11 +323,7 @@ class KnowledgeBase:
     def usage(self) -> dict[str, Any]:
         if self.state_dir is None:
             return dict(self._usage_mem)
-        path = self.state_dir / "kb" / self.name / "usage.json"
-        try:
-            return dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return {}
+        return _read_json(self.state_dir / "kb" / self.name / "usage.json")
 
     def put_document(self, doc: Document) -> None:
         """Add or replace a document; refused before anything is written if a group's prefix would not fit."""
@@ -363,6 +354,15 @@ def _locked(path: Path):  # type: ignore[no-untyped-def]
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A state file's object; a missing or damaged one reads as empty (it is state, rebuilt as used)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_json(path: Path, data: Any) -> None:

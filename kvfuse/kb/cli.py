@@ -169,15 +169,12 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _ratio(value: str | None) -> float | str | None:
-    if value is None or value == "auto":
-        return value
+    from kvfuse.engine import parse_ratio
+
     try:
-        r = float(value)
-    except ValueError:
-        raise SystemExit(f"kvfuse: --ratio takes a number between 0 and 1 or 'auto', got {value!r}") from None
-    if not 0.0 <= r <= 1.0:
-        raise SystemExit(f"kvfuse: --ratio must be between 0 and 1, got {value}")
-    return r
+        return None if value is None else parse_ratio(value)
+    except ValueError as e:
+        raise SystemExit(f"kvfuse: --ratio: {e}") from None
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -199,9 +196,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
         if ratio == "auto":
-            from kvfuse.cli import _attach_controller
+            from kvfuse.cli import attach_controller
 
-            _attach_controller(kb.engine, argparse.Namespace(store=args.store, no_store=False, cost=[]), True)
+            attach_controller(kb.engine, kb.state_dir)
         answer = kb.ask(args.question, group, args.tenant, chunks, ratio, args.max_tokens, quote=not args.no_quote)
     except (KBError, RequestError, ModeUnavailableError, RetrievalIndexError) as e:
         raise _fail(e) from None

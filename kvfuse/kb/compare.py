@@ -21,7 +21,7 @@ from kvfuse.engine import Request
 from kvfuse.eval.metrics import best_f1, contains_gold
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
-from kvfuse.kb.prefix import header_text, question_text
+from kvfuse.kb.prefix import header_text, question_text, section_text
 from kvfuse.rag.index import Index, SourceDoc
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import complete_text
@@ -121,7 +121,7 @@ def run_compare(kb: KnowledgeBase, questions: Sequence[Question], methods: Seque
                     hits = index.search(q.question, k, kind.removeprefix("rag-"), group)
                     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(header_text(kb.manifest))
                     for h in hits:
-                        ids += tok.encode(f"=== {h.chunk.title} [doc:{h.chunk.doc_id}] ===\n{h.chunk.text}\n\n")
+                        ids += tok.encode(section_text(h.chunk.title, h.chunk.doc_id, h.chunk.text))
                     retrieved = sorted({h.chunk.doc_id for h in hits})
                     rec["retrieved"] = retrieved
                     rec["gold_retrieved"] = q.doc_id in retrieved if q.doc_id else None

@@ -64,8 +64,13 @@ def header_text(m: Manifest) -> str:
     return f"Knowledge base: {m.name}\n\nInstructions:\n{m.instructions}\n\n"
 
 
+def section_text(title: str, doc_id: str, text: str) -> str:
+    """One document (or a retrieved piece of one) as it appears in a prompt."""
+    return f"=== {title} [doc:{doc_id}] ===\n{text}\n\n"
+
+
 def document_text(d: Document) -> str:
-    return f"=== {d.title} [doc:{d.id}] ===\n{d.text}\n\n"
+    return section_text(d.title, d.id, d.text)
 
 
 def question_text(question: str) -> str:

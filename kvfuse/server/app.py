@@ -252,8 +252,8 @@ def run_planned(state: ServerState, p: Planned, cancel: threading.Event, emit: A
             moved = [replace(s, start=len(plan.ids)) for s in tenant]
             req = replace(req, prefix=plan.ids + req.prefix[p.plan_tokens :], salts=plan.salts + tuple(moved))
             p = replace(p, request=req, plan_tokens=len(plan.ids))
-        if kb.cached_tokens(plan) < len(plan.ids) // eng.block_size * eng.block_size:
-            report = kb.build(group, p.tenant)
+        report = kb.ensure_built(group, p.tenant)
+        if report is not None:
             built, build_s = report.tokens_recomputed, report.build_s
     stream = eng.stream(p.request, p.mode, p.ratio, p.params)
 
