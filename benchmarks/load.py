@@ -2,13 +2,15 @@
 `blend` (documents fused from their cached chunk caches) and as `full` (kvfuse.mode = full).
 
     .venv/bin/python benchmarks/load.py [--clients 4] [--requests 3] [--rounds 5] [--passages 6]
+                                        [--max-tokens 8] [--stop '\n']
 
 A `kvfuse serve` process is started on a free loopback port with the default model and a fresh store.
 Each request carries a MuSiQue case's passages as `documents` and its question as the prompt; every
 distinct request is sent once before timing (its chunk caches are computed on first sight, as the
 server does). Per round, blend and full run back to back; TTFT is measured at the client (time to the
-first streamed token, queueing included). Reports p50/p95 TTFT, requests per second, and the median
-over rounds of the blend/full throughput ratio.
+first streamed token, queueing included). Answers stop at a newline by default, as `kvfuse eval` stops
+MuSiQue answers (`--stop ''` forces max-tokens tokens). Reports p50/p95 TTFT, requests per second, the
+mean completion length, and the median over rounds of the blend/full throughput ratio.
 """
 
 from __future__ import annotations
@@ -38,27 +40,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one(url: str, body: dict) -> tuple[float, float]:
-    """(client TTFT, total seconds) of one streamed completion."""
+def one(url: str, body: dict) -> tuple[float, int]:
+    """(client TTFT, completion tokens) of one streamed completion."""
     t0 = time.perf_counter()
-    ttft = None
-    with httpx.Client(timeout=600) as h, h.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+    ttft, n = None, 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=600) as h, h.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if ttft is None and line.startswith("data: {"):
+            if not line.startswith("data: {"):
+                continue
+            if ttft is None:
                 ttft = time.perf_counter() - t0
-    return (ttft if ttft is not None else float("nan")), time.perf_counter() - t0
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                n = int(usage["completion_tokens"])
+    return (ttft if ttft is not None else float("nan")), n
 
 
-def run(url: str, bodies: list[dict], clients: int, per_client: int) -> tuple[list[float], float]:
-    """Every client sends per_client requests in turn; returns the TTFTs and requests per second."""
-    def client(i: int) -> list[float]:
-        return [one(url, bodies[(i * per_client + j) % len(bodies)])[0] for j in range(per_client)]
+def run(url: str, bodies: list[dict], clients: int, per_client: int) -> tuple[list[float], float, list[int]]:
+    """Every client sends per_client requests in turn; returns the TTFTs, requests per second and lengths."""
+    def client(i: int) -> list[tuple[float, int]]:
+        return [one(url, bodies[(i * per_client + j) % len(bodies)]) for j in range(per_client)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        ttfts = [t for ts in pool.map(client, range(clients)) for t in ts]
-    return ttfts, clients * per_client / (time.perf_counter() - t0)
+        done = [x for xs in pool.map(client, range(clients)) for x in xs]
+    rps = clients * per_client / (time.perf_counter() - t0)
+    return [t for t, _ in done], rps, [n for _, n in done]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -73,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--passages", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--stop", default="\n", help="stop string ('' for none: every answer is max-tokens long)")
     args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -89,6 +99,7 @@ def main() -> None:
                 time.sleep(0.5)
         cases = musique_cases()[: args.clients * args.requests]
         blend = [{"prompt": f"Question: {c['question']}\nAnswer:", "max_tokens": args.max_tokens, "temperature": 0,
+                  **({"stop": [args.stop]} if args.stop else {}),
                   "documents": [{"text": p["text"]} for p in c["ctxs"][: args.passages]]} for c in cases]
         full = [{**b, "kvfuse": {"mode": "full"}} for b in blend]
         for b in blend:  # chunk caches are computed on first sight; time the reuse
@@ -96,19 +107,20 @@ def main() -> None:
         results: dict[str, list] = {"blend": [], "full": []}
         for r in range(args.rounds):
             for name, bodies in (("blend", blend), ("full", full)):
-                ttfts, rps = run(url, bodies, args.clients, args.requests)
-                results[name].append((ttfts, rps))
+                ttfts, rps, lengths = run(url, bodies, args.clients, args.requests)
+                results[name].append((ttfts, rps, lengths))
                 print(f"round {r + 1} {name}: p50 {pct(ttfts, 0.5):.2f} s, p95 {pct(ttfts, 0.95):.2f} s, "
                       f"{rps:.3f} req/s", flush=True)
         summary = {}
         for name, rounds in results.items():
-            all_ttft = [t for ts, _ in rounds for t in ts]
+            all_ttft = [t for ts, _, _ in rounds for t in ts]
             summary[name] = {"ttft_p50_s": pct(all_ttft, 0.5), "ttft_p95_s": pct(all_ttft, 0.95),
-                             "rps_median": statistics.median(rps for _, rps in rounds)}
+                             "rps_median": statistics.median(rps for _, rps, _ in rounds),
+                             "completion_tokens_mean": statistics.mean(n for _, _, ns in rounds for n in ns)}
         ratio = statistics.median(b[1] / f[1] for b, f in zip(results["blend"], results["full"], strict=True))
         summary["throughput_ratio_blend_over_full"] = ratio
         summary["setup"] = {"clients": args.clients, "requests_per_client": args.requests, "rounds": args.rounds,
-                            "passages": args.passages, "max_tokens": args.max_tokens}
+                            "passages": args.passages, "max_tokens": args.max_tokens, "stop": args.stop}
         print(json.dumps(summary, indent=1))
     finally:
         server.terminate()
