@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,13 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from common import musique_cases  # noqa: E402
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvfuse.server.process import serve_process  # noqa: E402
 
 
 def one(url: str, body: dict) -> tuple[float, int]:
@@ -84,19 +76,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--stop", default="\n", help="stop string ('' for none: every answer is max-tokens long)")
     args = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     store = tempfile.mkdtemp(prefix="kvfuse-load-")
-    server = subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), "--store", store,
-                               "--max-queue", str(4 * args.clients), "--log-level", "warning"],
-                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    args_serve = ["--store", store, "--max-queue", str(4 * args.clients), "--log-level", "warning"]
+    with serve_process(args_serve) as url:
         cases = musique_cases()[: args.clients * args.requests]
         blend = [{"prompt": f"Question: {c['question']}\nAnswer:", "max_tokens": args.max_tokens, "temperature": 0,
                   **({"stop": [args.stop]} if args.stop else {}),
@@ -122,9 +104,6 @@ def main() -> None:
         summary["setup"] = {"clients": args.clients, "requests_per_client": args.requests, "rounds": args.rounds,
                             "passages": args.passages, "max_tokens": args.max_tokens, "stop": args.stop}
         print(json.dumps(summary, indent=1))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,12 @@
 """`kvfuse serve` as a process, with the real default model and the Albarán knowledge base (slow)."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from conftest import SHARED
-from serverutil import free_port
+
+from kvfuse.server.process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -18,22 +15,9 @@ pytestmark = pytest.mark.slow
 def server(real_store, tmp_path_factory):  # type: ignore[no-untyped-def]
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text('[[keys]]\nkey = "sk-test-support"\ntenant = "acme"\n[keys.kb]\nalbaran = ["support"]\n')
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), "--kb", "albaran",
-                             "--store", str(real_store), "--keys", str(keys), "--log-level", "warning"],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with serve_process(["--kb", "albaran", "--store", str(real_store), "--keys", str(keys), "--log-level", "warning"]) \
+            as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_openai_client_against_the_real_server(server) -> None:
