@@ -110,12 +110,15 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvfuse.config import CheckpointError, UnsupportedModelError
+
     args = build_parser().parse_args(argv)
-    if hasattr(args, "func"):
-        return int(args.func(args))
     commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store,
                 "profile": cmd_profile}
-    return commands[args.command](args)
+    try:
+        return int(args.func(args)) if hasattr(args, "func") else commands[args.command](args)
+    except (CheckpointError, UnsupportedModelError) as e:  # a bad --model, for every command
+        raise SystemExit(f"kvfuse: {e}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

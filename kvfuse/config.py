@@ -19,6 +19,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is of a family or RoPE variant kvfuse does not implement."""
 
 
+class CheckpointError(ValueError):
+    """A model directory is missing files or holds tensors that do not fit its config."""
+
+
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
     """RoPE parameters of one layer type. `kind` is 'default', 'linear' or 'llama3'."""

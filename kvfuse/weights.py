@@ -17,14 +17,10 @@ from pathlib import Path
 
 import torch
 
-from kvfuse.config import ModelConfig
+from kvfuse.config import CheckpointError, ModelConfig
 from kvfuse.model import Decoder
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
-
-
-class CheckpointError(ValueError):
-    """A model directory is missing files or holds tensors that do not fit its config."""
 
 
 def cache_dir() -> Path:

@@ -78,3 +78,19 @@ def test_fingerprint_differs_between_checkpoints(tiny_models) -> None:
     assert len(fps) == len(FAMILIES)
     cfg = json.loads((tiny_models["llama"][0] / "config.json").read_text())
     assert cfg["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("argv", [["generate", "--question", "q"], ["serve"], ["kb", "stats", "albaran"]])
+def test_cli_reports_a_bad_model_dir_without_a_traceback(tmp_path, argv) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.cli import main
+
+    with pytest.raises(SystemExit, match=f"kvfuse: {tmp_path} is not a model directory: it has no config.json"):
+        main([*argv, "--model", str(tmp_path)])
+
+
+def test_serve_process_reports_a_server_that_exits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.server.process import serve_process
+
+    with pytest.raises(RuntimeError, match="exited with status 1 before it was healthy"):
+        with serve_process(["--model", str(tmp_path)], startup_s=120):
+            pass
