@@ -31,10 +31,11 @@ import torch
 from kvfuse import fuse
 from kvfuse.controller import Controller, Decision
 from kvfuse.kv import KVCache, one_thread
+from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate
-from kvfuse.sampling import SamplingParams, sample
+from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 from kvfuse.store.disk import CorruptEntryError
 from kvfuse.store.keys import BlockHash, ChunkKey, Salt, chunk_key, prefix_block_hashes, root_hash
 from kvfuse.store.tiered import StoreStats, TieredStore
@@ -166,6 +167,7 @@ class Engine:
         kv_dtype: torch.dtype = torch.float32,
         self_check: bool = True,
         rotate: fuse.Rerotate = rerotate,
+        greedy_screen: bool = True,
     ) -> None:
         self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
         self.store = store if store is not None else TieredStore()
@@ -177,6 +179,8 @@ class Engine:
         self.pipelined = True  # read disk-backed chunk layers ahead of the recompute
         self.controller: Controller | None = None  # set one to enable ratio "auto" and decisions
         self._rotate = rotate
+        self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
+        self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self.blend_error: str | None = self.self_check() if self_check else None
         if self.blend_error:
             log.warning("%s", self.blend_error)
@@ -366,15 +370,18 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(
-        self, req: Request, mode: str = "full", ratio: Ratio = None, head_tokens: int = LEGOLINK_HEAD_TOKENS
+        self, req: Request, mode: str = "full", ratio: Ratio = None, head_tokens: int = LEGOLINK_HEAD_TOKENS,
+        room: int = 0,
     ) -> Prefilled:
-        """Build the request's KV cache and first-token logits in the given mode."""
+        """Build the request's KV cache and first-token logits in the given mode.
+
+        `room` reserves buffer space for that many decoded tokens, so decoding appends in place."""
         self.validate(req, mode, ratio)
         model, counts = self.model, TokenCounts(prompt=len(req))
         suffix = torch.tensor(req.suffix, dtype=torch.int64)
         writes: list[Callable[[], object]] = []
         if mode == "full":
-            fused = fuse.prefill(model, torch.tensor(req.ids, dtype=torch.int64))
+            fused = fuse.prefill(model, torch.tensor(req.ids, dtype=torch.int64), room=room)
             counts.prefilled = len(req)
             return Prefilled(fused, counts, mode, None)
         if mode == "prefix":
@@ -382,7 +389,7 @@ class Engine:
             hit = self._cached_prefix(cacheable, req.salts)
             n_hit = len(hit) * self.block_size
             rest = torch.tensor(cacheable[n_hit:] + list(req.suffix), dtype=torch.int64)
-            fused = fuse.prefill(model, rest, past=hit)
+            fused = fuse.prefill(model, rest, past=hit, room=room)
             counts.reused, counts.prefilled, counts.cached = n_hit, len(req) - n_hit, n_hit
             writes.append(lambda: self._store_prefix(cacheable, fused.cache, req.salts))
             return Prefilled(fused, counts, mode, None, writes)
@@ -415,12 +422,13 @@ class Engine:
                 with loader:
                     if mode == "legolink":
                         fused = fuse.legolink(model, hit, sources, ids, suffix, head_tokens, prefix_tail=tail,
-                                              rotate=self._rotate, loader=loader)
+                                              rotate=self._rotate, loader=loader, room=room)
                     elif r is None:
-                        fused = fuse.reuse(model, hit, sources, suffix, tail, rotate=self._rotate, loader=loader)
+                        fused = fuse.reuse(model, hit, sources, suffix, tail, rotate=self._rotate, loader=loader,
+                                           room=room)
                     else:
                         fused = fuse.blend(model, hit, sources, ids, suffix, r, prefix_tail=tail,
-                                           rotate=self._rotate, loader=loader)
+                                           rotate=self._rotate, loader=loader, room=room)
                 break
             except CorruptEntryError as e:  # drop that entry, recompute its chunk, fuse again
                 for i in (i for i in lazy if keys[i] == e.key or e.key is None):
@@ -437,6 +445,12 @@ class Engine:
         return Prefilled(fused, counts, mode, r, writes, decision)
 
     # -- decoding ----------------------------------------------------------------------------------
+
+    def greedy_head(self) -> GreedyHead | None:
+        """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
+        if self._greedy_head is False:
+            self._greedy_head = GreedyHead.build(self.model.head_weight()) if self.greedy_screen else None
+        return self._greedy_head  # type: ignore[return-value]
 
     def stream(
         self,
@@ -479,7 +493,7 @@ class Engine:
     ) -> Generator[int, None, None]:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
-        pre = self.prefill(req, mode, ratio, opts.head_tokens)
+        pre = self.prefill(req, mode, ratio, opts.head_tokens, room=params.max_tokens)
         store_stats = self.store.stats.since(before)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
@@ -499,12 +513,17 @@ class Engine:
             yield tok
             if params.max_tokens == 1:
                 return
-            decoder = _Decoder(self.model, pre.fused.cache, params.max_tokens)
+            decoder = _Decoder(self.model, pre.fused.cache, params.max_tokens, pre.fused.buffers)
+            greedy = params.temperature < MIN_TEMPERATURE and steps is None
+            head = self.greedy_head() if greedy else None
             while len(tokens) < params.max_tokens:
-                logits = decoder.step(tok)
-                if steps is not None:
-                    steps.append(logits)
-                tok = sample(logits, params, gen)
+                if head is not None:  # only the argmax is needed: screen the head, exactly
+                    tok = head.argmax(self.model.norm(decoder.hidden(tok))[0])
+                else:
+                    logits = decoder.step(tok)
+                    if steps is not None:
+                        steps.append(logits)
+                    tok = sample(logits, params, gen)
                 tokens.append(tok)
                 if tok in stop:
                     finish = "stop"
@@ -535,20 +554,32 @@ class _Extras:
 
 
 class _Decoder:
-    """Incremental decoding over a preallocated copy of the prompt's cache."""
+    """Incremental decoding over buffers that hold the prompt's cache and room for max_new tokens.
 
-    def __init__(self, model: Decoder, cache: KVCache, max_new: int) -> None:
+    `buffers` are the prefill's own (`Fused.buffers`): decoding appends to them in place. Without them
+    (or with too little room) the cache is copied into new buffers first."""
+
+    def __init__(
+        self, model: Decoder, cache: KVCache, max_new: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         cfg = model.cfg
         self.model, self.n = model, len(cache)
         cap = self.n + max_new
-        shape = (cfg.num_layers, cfg.num_kv_heads, cap, cfg.head_dim)  # (layers, kv_heads, T, head_dim)
-        self.k = torch.empty(shape, dtype=cache.k.dtype)
-        self.v = torch.empty(shape, dtype=cache.v.dtype)
-        self.k[:, :, : self.n], self.v[:, :, : self.n] = cache.k, cache.v
-        self.pos = torch.arange(cap)
+        if buffers is not None and buffers[0].shape[2] >= cap:
+            self.k, self.v = buffers
+        else:
+            shape = (cfg.num_layers, cfg.num_kv_heads, cap, cfg.head_dim)  # (layers, kv_heads, T, head_dim)
+            self.k = torch.empty(shape, dtype=cache.k.dtype)
+            self.v = torch.empty(shape, dtype=cache.v.dtype)
+            self.k[:, :, : self.n], self.v[:, :, : self.n] = cache.k, cache.v
+        self.pos = torch.arange(self.k.shape[2])
 
     def step(self, token: int) -> torch.Tensor:
         """Feed one token at the next position; returns the next-token logits (vocab,)."""
+        return self.model.logits(self.hidden(token))[0]
+
+    def hidden(self, token: int) -> torch.Tensor:
+        """Feed one token at the next position; returns its last hidden state (1, hidden), before the final norm."""
         m, n = self.model, self.n
         h = m.embed(torch.tensor([token]))
         p = self.pos[n : n + 1]
@@ -557,7 +588,7 @@ class _Decoder:
             self.k[i, :, n : n + 1], self.v[i, :, n : n + 1] = k, v
             w = m.cfg.window(i)
             lo = max(0, n + 1 - w) if w is not None else 0
-            a = m.attend(i, q, p, self.k[i, :, lo : n + 1], self.v[i, :, lo : n + 1], self.pos[lo : n + 1])
+            a = m.attend_all(i, q, self.k[i, :, lo : n + 1], self.v[i, :, lo : n + 1])  # all within reach
             h = m.finish(i, h, a)
         self.n += 1
-        return m.logits(h)[0]
+        return h

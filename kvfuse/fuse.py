@@ -58,11 +58,23 @@ class Fused:
     logits: torch.Tensor  # (vocab,) float32, next-token logits after the last prompt token
     recomputed_token_layers: int = 0  # sum over layers of reused tokens that were recomputed
     selected: list[torch.Tensor] = field(default_factory=list)  # blend: chunk-token indices per layer
+    # the buffers `cache` views, `room` tokens longer: decoding appends to them in place, with no copy
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (cfg.num_layers, cfg.num_kv_heads, total, cfg.head_dim)  # (layers, kv_heads, T, head_dim)
+def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty K and V buffers (layers, kv_heads, total + room, head_dim)."""
+    if room < 0:
+        raise ValueError(f"room must be >= 0, got {room}")
+    shape = (cfg.num_layers, cfg.num_kv_heads, total + room, cfg.head_dim)
     return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+
+
+def _fused(k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, logits: torch.Tensor, room: int,
+           recomputed: int = 0, selected: list[torch.Tensor] | None = None) -> Fused:
+    """The first `total` tokens of the buffers as the prompt's cache; with room, the buffers ride along."""
+    cache = KVCache(k_buf[:, :, :total], v_buf[:, :, :total], torch.arange(total))
+    return Fused(cache, logits, recomputed, selected or [], (k_buf, v_buf) if room else None)
 
 
 def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int) -> torch.Tensor:
@@ -79,19 +91,22 @@ def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     return h[-1:]
 
 
-def prefill(model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache] | None = None) -> Fused:
+def prefill(
+    model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache] | None = None, room: int = 0
+) -> Fused:
     """Full prefill of ids after an optional exact past cache (positions 0..len(past)-1).
 
-    `past` may be given in pieces (prefix blocks, say); they are copied straight into the new buffer."""
+    `past` may be given in pieces (prefix blocks, say); they are copied straight into the new buffer.
+    `room` reserves that many more token slots for decoding (see `Fused.buffers`)."""
     if ids.numel() == 0:
         raise ValueError("prefill needs at least one new token")
     parts = [past] if isinstance(past, KVCache) else list(past or [])
     start = sum(len(c) for c in parts)
     end = start + ids.shape[0]
-    k_buf, v_buf = _buffers(model.cfg, end, model.embed_tokens.weight.dtype)
+    k_buf, v_buf = _buffers(model.cfg, end, model.embed_tokens.weight.dtype, room)
     _copy_in(parts, k_buf, v_buf)
     h = _run(model, ids, k_buf, v_buf, start)
-    return Fused(KVCache(k_buf, v_buf, torch.arange(end)), model.logits(h)[0])
+    return _fused(k_buf, v_buf, end, model.logits(h)[0], room)
 
 
 def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor) -> int:
@@ -156,10 +171,11 @@ def reuse(
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
+    room: int = 0,
 ) -> Fused:
     """Full KV reuse: prefix and re-rotated chunk caches as they are, then prefill only the suffix."""
     keep = [0] * model.cfg.num_layers
-    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate, loader)
+    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate, loader, room=room)
 
 
 def keep_schedule(num_layers: int, n: int, ratio: float, filter_layers: int = DEFAULT_FILTER_LAYERS) -> list[int]:
@@ -195,12 +211,13 @@ def blend(
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
     deviation: Deviation | None = None,
+    room: int = 0,
 ) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     n_c = sum(len(c) for c in chunks)
     keep = keep_schedule(model.cfg.num_layers, n_c, ratio, filter_layers)
     return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader,
-                       deviation=deviation)
+                       deviation=deviation, room=room)
 
 
 def legolink(
@@ -213,6 +230,7 @@ def legolink(
     prefix_tail: torch.Tensor | None = None,
     rotate: Rerotate = rerotate,
     loader: LayerLoader | None = None,
+    room: int = 0,
 ) -> Fused:
     """EPIC's LegoLink baseline: recompute the first head_tokens of every chunk on every layer, no deviation."""
     if head_tokens < 0:
@@ -223,7 +241,7 @@ def legolink(
         at += len(c)
     fixed = torch.cat(heads) if heads else torch.empty(0, dtype=torch.int64)
     keep = [int(fixed.shape[0])] * model.cfg.num_layers
-    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader, fixed)
+    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader, fixed, room=room)
 
 
 def fuse_chunks(
@@ -238,6 +256,7 @@ def fuse_chunks(
     loader: LayerLoader | None = None,
     candidates: torch.Tensor | None = None,
     deviation: Deviation | None = None,
+    room: int = 0,
 ) -> Fused:
     """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
 
@@ -246,7 +265,8 @@ def fuse_chunks(
     previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids).
     Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time.
     `candidates` (sorted chunk-token indices) replaces "every chunk token" as layer 0's set;
-    `deviation` replaces `kv_deviation` as the score the kept tokens are ranked by."""
+    `deviation` replaces `kv_deviation` as the score the kept tokens are ranked by;
+    `room` reserves token slots for decoding, as in `prefill`."""
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
     if suffix.numel() == 0:
@@ -260,7 +280,7 @@ def fuse_chunks(
     start = p + tail.shape[0]  # where the chunks begin
     n = start + n_c
     total = n + suffix.shape[0]
-    k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype)
+    k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype, room)
     _copy_in(parts, k_buf, v_buf)
     pos_all = torch.arange(total)
 
@@ -298,11 +318,11 @@ def fuse_chunks(
                 top, sel = torch.arange(nc), torch.arange(rows.shape[0])
                 q, k, v = model.project(i, h, rows)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
-            h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i], v_buf[i], pos_all))
+            h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
             cand = cand[top]
             selected.append(cand)
             recomputed += int(cand.shape[0])
     finally:
         if own_loader:
             loader.close()
-    return Fused(KVCache(k_buf, v_buf, pos_all), model.logits(h[-1:])[0], recomputed, selected)
+    return _fused(k_buf, v_buf, total, model.logits(h[-1:])[0], room, recomputed, selected)

@@ -33,9 +33,9 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (self.offset + self.weight.float())).type_as(x)
+        """x / rms(x) * (offset + weight), computed in float32 (one fused kernel)."""
+        w = self.offset + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).type_as(x)
 
 
 class Attention(nn.Module):
@@ -169,6 +169,17 @@ class Decoder(nn.Module):
             out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
+    def attend_all(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of queries that may see every given key (decoding one token over exactly the keys
+        in its reach) -> (Tq, heads*D); the same result as `attend` without building a mask."""
+        cfg = self.cfg
+        if cfg.attn_softcap is not None:
+            visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool)
+            out = _softcapped_attention(q, k, v, visible, cfg)
+        else:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=cfg.query_scale, enable_gqa=True)[0]
+        return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
+
     def attention_weights(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor
     ) -> torch.Tensor:
@@ -209,10 +220,13 @@ class Decoder(nn.Module):
             keys, values, k_pos = k, v, pos
         return self.finish(i, h, self.attend(i, q, pos, keys, values, k_pos)), k, v
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (vocab, hidden) weight: the embeddings when they are tied."""
+        return self.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: (T, hidden) -> (T, vocab) in float32."""
-        w = self.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        out = F.linear(self.norm(h), w).float()
+        out = F.linear(self.norm(h), self.head_weight()).float()
         if self.cfg.final_softcap is not None:
             out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
         return out

@@ -9,14 +9,18 @@ that is what lets a cached key be moved to a new position (`rerotate`).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
 from kvfuse.config import RopeSpec
 
 
+@lru_cache(maxsize=64)
 def inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
-    """Inverse frequencies, shape (head_dim // 2,), float32, with the spec's scaling applied."""
+    """Inverse frequencies, shape (head_dim // 2,), float32, with the spec's scaling applied.
+
+    Cached per (head_dim, spec): every layer of every decoding step asks for it. Do not modify it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     freq = 1.0 / (spec.base**exponents)
     if spec.kind == "linear":

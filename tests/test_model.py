@@ -94,3 +94,22 @@ def test_serve_process_reports_a_server_that_exits(tmp_path) -> None:  # type: i
     with pytest.raises(RuntimeError, match="exited with status 1 before it was healthy"):
         with serve_process(["--model", str(tmp_path)], startup_s=120):
             pass
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_attend_all_equals_attend_when_every_key_is_visible(tiny_models, family: str, softcap) -> None:
+    import dataclasses
+
+    model = load_model(tiny_models[family][0]).model
+    model.cfg = dataclasses.replace(model.cfg, attn_softcap=softcap)
+    cfg, g = model.cfg, torch.Generator().manual_seed(5)
+    n = min(9, cfg.sliding_window or 9)  # every key within reach of the query on every layer
+    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    q = torch.randn(cfg.num_heads, 1, cfg.head_dim, generator=g)
+    k_pos, q_pos = torch.arange(30, 30 + n), torch.tensor([29 + n])  # one query at the last key's position
+    for i in range(cfg.num_layers):
+        want = model.attend(i, q, q_pos, k, v, k_pos)
+        assert torch.allclose(model.attend_all(i, q, k, v), want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(model.attend_all(0, q, k[:, :2], v[:, :2]), want, atol=1e-3)  # it reads the keys given

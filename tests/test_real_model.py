@@ -169,3 +169,17 @@ def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # typ
     assert out["controller"]["tier"] == "disk" and out["ratio"] == out["controller"]["ratio"] >= 0.15
     assert out["store"]["hits"] >= 1 and "disk" in out["store"]["tiers_used"]  # the chunk came from disk
     assert out["tokens"]["reused"] >= len(_cases()[7]["ctxs"][0]["text"]) // 8  # and was not recomputed whole
+
+
+def test_real_screened_greedy_decoding_equals_the_float32_head(real) -> None:  # type: ignore[no-untyped-def]
+    """The int8 screen of Gemma's 262k-row head picks exactly the float32 argmax, step after step."""
+    from kvfuse.sampling import SamplingParams
+
+    engine, tok, _ = real
+    plain = Engine(engine.model, engine.fingerprint, self_check=False, greedy_screen=False)
+    assert engine.greedy_head() is not None
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for case in _cases()[:3]:
+        req = _request(tok, case, 2)
+        screened = engine.generate(req, "full", params=params).tokens
+        assert screened == plain.generate(req, "full", params=params).tokens

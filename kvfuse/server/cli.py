@@ -45,6 +45,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     store = Path(args.store) if args.store else cache_dir() / "store"
     path = resolve_model_path(args.model)
     engine, tok = Engine.load(path, store_dir=store), Tokenizer(path)
+    engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     kbs = {m.name: KnowledgeBase(engine, tok, m, state_dir=store) for m in manifests}
     limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue)
     return ServerState(engine, tok, Path(path).name, kbs, keys, limits)

@@ -1,0 +1,69 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfuse.lmhead import GreedyHead
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(2, 700), hidden=st.sampled_from([16, 32, 64, 640]), seed=st.integers(0, 2**16),
+       x_scale=st.sampled_from([0.01, 1.0, 300.0]))
+def test_screened_argmax_is_the_float32_argmax(vocab: int, hidden: int, seed: int, x_scale: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g)  # rows of unequal size
+    head = GreedyHead(w)
+    for _ in range(5):
+        x = torch.randn(hidden, generator=g) * x_scale
+        exact = F.linear(x[None], w)[0]
+        cand = head.candidates(x)
+        assert int(exact.argmax()) in cand.tolist()
+        assert head.argmax(x) == int(exact.argmax())
+
+
+def test_the_screen_reads_few_rows_and_settles_near_ties() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(5000, 64, generator=g)
+    x = torch.randn(64, generator=g) * 4
+    head = GreedyHead(w)
+    assert len(head.candidates(x)) < 50  # it screens: most of the vocabulary is ruled out
+    best = int(F.linear(x[None], w)[0].argmax())
+    w2 = torch.cat([w, w[best : best + 1] * (1 - 3e-6)])  # a near-copy of the winner, just below it
+    w2[best] *= 1 + 3e-6
+    assert GreedyHead(w2).argmax(x) == int(F.linear(x[None], w2)[0].argmax()) == best
+
+
+def test_without_the_kernel_decoding_keeps_the_float32_head(tiny_engines, monkeypatch) -> None:
+    from kvfuse.engine import Engine
+    from kvfuse.sampling import SamplingParams
+
+    e = tiny_engines["gemma3"]
+    screened = Engine(e.model, e.fingerprint, self_check=False)
+    plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
+    assert screened.greedy_head() is not None and plain.greedy_head() is None
+    monkeypatch.delattr(torch, "_weight_int8pack_mm")
+    assert GreedyHead.build(e.model.head_weight()) is None
+    gone = Engine(e.model, e.fingerprint, self_check=False)
+    assert gone.greedy_head() is None
+    from kvfuse.engine import Request
+
+    req = Request(prefix=(1, 5, 9, 33), suffix=(7, 8, 21))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = plain.generate(req, "full", params=params).tokens
+    assert gone.generate(req, "full", params=params).tokens == want
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+def test_screened_greedy_generation_equals_plain(tiny_engines, family: str) -> None:
+    from kvfuse.engine import Engine, Request
+    from kvfuse.sampling import SamplingParams
+
+    e = tiny_engines[family]
+    plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for seed in range(3):
+        ids = tuple(int(t) for t in torch.randint(2, 128, (20,), generator=torch.Generator().manual_seed(seed)))
+        req = Request(prefix=ids[:15], suffix=ids[15:])
+        assert e.greedy_head() is not None
+        assert e.generate(req, "full", params=params).tokens == plain.generate(req, "full", params=params).tokens
