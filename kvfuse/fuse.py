@@ -42,7 +42,7 @@ from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
-from kvfuse.rope import rerotate
+from kvfuse.rope import rerotate, rerotate_into
 
 DEFAULT_RATIO = 0.15
 DEFAULT_FILTER_LAYERS = 2
@@ -135,10 +135,12 @@ def precompute_chunk(
     pos = torch.cat((torch.arange(len(pre)), torch.arange(start, start + len(ids))))
     k_buf, v_buf = _buffers(model.cfg, len(pos), model.embed_tokens.weight.dtype)
     h = model.embed(torch.cat((pre, ids)))
-    for i in range(model.cfg.num_layers):
+    last = model.cfg.num_layers - 1
+    for i in range(last):
         q, k, v = model.project(i, h, pos)
         k_buf[i], v_buf[i] = k, v
         h = model.finish(i, h, model.attend(i, q, pos, k, v, pos))
+    k_buf[last], v_buf[last] = model.key_value(last, h, pos)  # the cache needs no output from the last layer
     n = len(pre)
     return KVCache(k_buf[:, :, n:].clone(), v_buf[:, :, n:].clone(), pos[n:].clone())
 
@@ -158,8 +160,11 @@ def _place_layer(
     for c, (k, v) in zip(chunks, layer_kv, strict=True):
         n = len(c)
         target = torch.arange(at, at + n)
-        k_out[:, at : at + n] = rotate(k.to(k_out.dtype), c.positions, target, cfg.head_dim, cfg.rope(layer))
-        v_out[:, at : at + n] = v.to(v_out.dtype)
+        if rotate is rerotate:  # the real rotation, written in place
+            rerotate_into(k_out[:, at : at + n], k, c.positions, target, cfg.head_dim, cfg.rope(layer))
+        else:  # a substitute (tests, ablations)
+            k_out[:, at : at + n] = rotate(k.to(k_out.dtype), c.positions, target, cfg.head_dim, cfg.rope(layer))
+        v_out[:, at : at + n].copy_(v)
         at += n
 
 

@@ -67,3 +67,22 @@ def rerotate(
         delta = delta[:1]
     cos, sin = rope_cos_sin(delta, head_dim, spec)
     return apply_rope(k, cos, sin)
+
+
+def rerotate_into(
+    out: torch.Tensor, k: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec
+) -> None:
+    """`rerotate(k, ...)` written straight into out (same shape as k, not overlapping it), with no
+    temporaries: placing chunk caches does this for every chunk on every layer, where allocating fresh
+    tensors (and faulting their pages in) cost more than the arithmetic."""
+    delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
+    if bool((delta == delta[0]).all()):  # a chunk moves as a whole: one rotation for all its keys
+        delta = delta[:1]
+    cos, sin = rope_cos_sin(delta, head_dim, spec)
+    half = head_dim // 2
+    c, s = cos[:, :half], sin[:, :half]  # both halves share the frequencies
+    k1, k2, o1, o2 = k[..., :half], k[..., half:], out[..., :half], out[..., half:]
+    torch.mul(k1, c, out=o1)
+    o1.addcmul_(k2, s, value=-1)  # x1 cos - x2 sin
+    torch.mul(k2, c, out=o2)
+    o2.addcmul_(k1, s)  # x2 cos + x1 sin

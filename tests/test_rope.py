@@ -80,3 +80,22 @@ def test_rerotate_zero_shift_is_identity_and_norm_preserving() -> None:
     moved = rerotate(x, pos, pos + 100, 32, SPECS["default"])
     torch.testing.assert_close(moved.norm(dim=-1), x.norm(dim=-1))
     assert not torch.allclose(moved, x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shift=st.integers(-400, 400), jitter=st.booleans(), kind=st.sampled_from(list(SPECS)),
+       bf16=st.booleans())
+def test_rerotate_into_writes_what_rerotate_returns(shift: int, jitter: bool, kind: str, bf16: bool) -> None:
+    from kvfuse.rope import rerotate_into
+
+    g = torch.Generator().manual_seed(shift + 1000)
+    k = torch.randn(2, 13, 32, generator=g)
+    k = k.to(torch.bfloat16) if bf16 else k
+    src = torch.arange(1, 14)
+    dst = src + 500 + shift
+    if jitter:  # not one shift for the whole chunk
+        dst = dst + torch.randint(0, 5, (13,), generator=g)
+    out = torch.full((2, 13, 32), float("nan"))
+    rerotate_into(out, k, src, dst, 32, SPECS[kind])
+    want = rerotate(k.float(), src, dst, 32, SPECS[kind])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
