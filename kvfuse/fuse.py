@@ -28,6 +28,9 @@ deviation, and are closer to full than the reused ones); from layer l+1 on they 
 
 Recomputed tokens attend to every earlier key, reused or fresh, under the exact per-position causal
 mask (and the sliding window of the layer), never a bottom-right-aligned approximation.
+
+On the last layer every builder computes the keys and values of all its rows but the attention and MLP
+of the prompt's last token only: nothing else reads the other rows' outputs (about 5% of a prefill).
 """
 
 from __future__ import annotations
@@ -83,12 +86,18 @@ def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     pos_all = torch.arange(end)
     pos = pos_all[start:]
     h = model.embed(ids)
-    for i in range(model.cfg.num_layers):
-        q, k, v = model.project(i, h, pos)
+    last = model.cfg.num_layers - 1
+    for i in range(last + 1):
+        if i < last:
+            q, k, v = model.project(i, h, pos)
+        else:  # only the last token's output is used (for the logits): every token needs just its KV
+            k, v = model.key_value(i, h, pos)
+            h, pos = h[-1:], pos[-1:]
+            q = model.query(i, h, pos)
         k_buf[i, :, start:end], v_buf[i, :, start:end] = k, v
         a = model.attend(i, q, pos, k_buf[i, :, :end], v_buf[i, :, :end], pos_all)
         h = model.finish(i, h, a)
-    return h[-1:]
+    return h
 
 
 def prefill(
@@ -311,23 +320,31 @@ def fuse_chunks(
             if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
                 _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
             rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
+            last = i == cfg.num_layers - 1  # only the last row's output is used there (the logits)
             if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
                 k, v = model.key_value(i, h, rows)
                 span = slice(n_lo, n_lo + nc)
                 dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
                 top = torch.topk(dev, keep[i]).indices.sort().values
                 sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
-                h = h[sel]
-                q = model.query(i, h, rows[sel])
+                h, q_rows = h[sel], rows[sel]
+                if last:
+                    h, q_rows = h[-1:], q_rows[-1:]
+                q = model.query(i, h, q_rows)
             else:
-                top, sel = torch.arange(nc), torch.arange(rows.shape[0])
-                q, k, v = model.project(i, h, rows)
+                top, q_rows = torch.arange(nc), rows
+                if last:
+                    k, v = model.key_value(i, h, rows)
+                    h, q_rows = h[-1:], rows[-1:]
+                    q = model.query(i, h, q_rows)
+                else:
+                    q, k, v = model.project(i, h, rows)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
-            h = model.finish(i, h, model.attend(i, q, rows[sel], k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
+            h = model.finish(i, h, model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
             cand = cand[top]
             selected.append(cand)
             recomputed += int(cand.shape[0])
     finally:
         if own_loader:
             loader.close()
-    return _fused(k_buf, v_buf, total, model.logits(h[-1:])[0], room, recomputed, selected)
+    return _fused(k_buf, v_buf, total, model.logits(h)[0], room, recomputed, selected)
