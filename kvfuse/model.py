@@ -176,8 +176,11 @@ class Decoder(nn.Module):
         if cfg.attn_softcap is not None:
             visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool)
             out = _softcapped_attention(q, k, v, visible, cfg)
-        else:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=cfg.query_scale, enable_gqa=True)[0]
+        else:  # plain matmuls: for a handful of queries SDPA's kernel costs twice as much on CPU
+            kv_heads, tq = k.shape[0], q.shape[1]
+            qg = q.reshape(kv_heads, -1, cfg.head_dim)  # the query heads that share a kv head, stacked
+            probs = torch.softmax((qg @ k.transpose(1, 2)).float() * cfg.query_scale, dim=-1).to(v.dtype)
+            out = (probs @ v).reshape(cfg.num_heads, tq, cfg.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
     def attention_weights(
