@@ -34,7 +34,7 @@ from kvfuse.kv import KVCache, one_thread
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
-from kvfuse.rope import rerotate
+from kvfuse.rope import rerotate_into
 from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 from kvfuse.store.disk import CorruptEntryError
 from kvfuse.store.keys import BlockHash, ChunkKey, Salt, chunk_key, prefix_block_hashes, root_hash
@@ -166,7 +166,7 @@ class Engine:
         block_size: int = BLOCK_SIZE,
         kv_dtype: torch.dtype = torch.float32,
         self_check: bool = True,
-        rotate: fuse.Rerotate = rerotate,
+        rotate: fuse.Rerotate = rerotate_into,
         greedy_screen: bool = True,
     ) -> None:
         self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
@@ -217,7 +217,8 @@ class Engine:
         # Blend at 1.0 overwrites every reused key, so check the move separately: a layer-0 key
         # depends on its token alone, so a re-rotated one must equal one computed at the target.
         chunk, target = caches[1], torch.arange(40, 40 + len(caches[1]))
-        moved = self._rotate(chunk.k[0], chunk.positions, target, self.cfg.head_dim, self.cfg.rope(0))
+        moved = torch.empty_like(chunk.k[0])
+        self._rotate(moved, chunk.k[0], chunk.positions, target, self.cfg.head_dim, self.cfg.rope(0))
         _, direct, _ = self.model.project(0, self.model.embed(ids[1]), target)
         rot_err = float((moved - direct).abs().max() / direct.abs().max().clamp_min(1e-6))
         if rot_err > SELF_CHECK_TOLERANCE:

@@ -45,12 +45,13 @@ from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
-from kvfuse.rope import rerotate, rerotate_into
+from kvfuse.rope import rerotate_into
 
 DEFAULT_RATIO = 0.15
 DEFAULT_FILTER_LAYERS = 2
 
-Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], torch.Tensor]
+# (out, k, from_pos, to_pos, head_dim, spec): write keys k moved from from_pos to to_pos into out
+Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], None]
 # (k_new, v_new, k_old, v_old) -> per-token deviation (T,); swap it for ablations (random choice, say)
 Deviation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -162,17 +163,13 @@ def _place_layer(
     start: int,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
-    rotate: Rerotate = rerotate,
+    rotate: Rerotate = rerotate_into,
 ) -> None:
     """Write one layer's K/V of each chunk (keys re-rotated) back to back from position start."""
     at = start
     for c, (k, v) in zip(chunks, layer_kv, strict=True):
         n = len(c)
-        target = torch.arange(at, at + n)
-        if rotate is rerotate:  # the real rotation, written in place
-            rerotate_into(k_out[:, at : at + n], k, c.positions, target, cfg.head_dim, cfg.rope(layer))
-        else:  # a substitute (tests, ablations)
-            k_out[:, at : at + n] = rotate(k.to(k_out.dtype), c.positions, target, cfg.head_dim, cfg.rope(layer))
+        rotate(k_out[:, at : at + n], k, c.positions, torch.arange(at, at + n), cfg.head_dim, cfg.rope(layer))
         v_out[:, at : at + n].copy_(v)
         at += n
 
@@ -183,7 +180,7 @@ def reuse(
     chunks: Sequence[LayerSource],
     suffix: torch.Tensor,
     prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate,
+    rotate: Rerotate = rerotate_into,
     loader: LayerLoader | None = None,
     room: int = 0,
 ) -> Fused:
@@ -222,7 +219,7 @@ def blend(
     ratio: float = DEFAULT_RATIO,
     filter_layers: int = DEFAULT_FILTER_LAYERS,
     prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate,
+    rotate: Rerotate = rerotate_into,
     loader: LayerLoader | None = None,
     deviation: Deviation | None = None,
     room: int = 0,
@@ -242,7 +239,7 @@ def legolink(
     suffix: torch.Tensor,
     head_tokens: int = 16,
     prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate,
+    rotate: Rerotate = rerotate_into,
     loader: LayerLoader | None = None,
     room: int = 0,
 ) -> Fused:
@@ -266,7 +263,7 @@ def fuse_chunks(
     suffix: torch.Tensor,
     keep: Sequence[int],
     prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate,
+    rotate: Rerotate = rerotate_into,
     loader: LayerLoader | None = None,
     candidates: torch.Tensor | None = None,
     deviation: Deviation | None = None,
@@ -321,24 +318,20 @@ def fuse_chunks(
                 _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
             rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
             last = i == cfg.num_layers - 1  # only the last row's output is used there (the logits)
-            if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
+            top, q_rows = torch.arange(nc), rows
+            if keep[i] < nc or last:  # keys first: to rank the candidates, or as all the other rows need
                 k, v = model.key_value(i, h, rows)
-                span = slice(n_lo, n_lo + nc)
-                dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
-                top = torch.topk(dev, keep[i]).indices.sort().values
-                sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
-                h, q_rows = h[sel], rows[sel]
+                if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
+                    span = slice(n_lo, n_lo + nc)
+                    dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
+                    top = torch.topk(dev, keep[i]).indices.sort().values
+                    sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
+                    h, q_rows = h[sel], rows[sel]
                 if last:
                     h, q_rows = h[-1:], q_rows[-1:]
                 q = model.query(i, h, q_rows)
             else:
-                top, q_rows = torch.arange(nc), rows
-                if last:
-                    k, v = model.key_value(i, h, rows)
-                    h, q_rows = h[-1:], rows[-1:]
-                    q = model.query(i, h, q_rows)
-                else:
-                    q, k, v = model.project(i, h, rows)
+                q, k, v = model.project(i, h, rows)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
             h = model.finish(i, h, model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
             cand = cand[top]

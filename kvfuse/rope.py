@@ -56,17 +56,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
+def _shift(
+    from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation that moves keys from from_pos to to_pos: (T, D), or (1, D) when
+    every key moves by the same amount (a chunk moved as a whole)."""
+    delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
+    if bool((delta == delta[0]).all()):
+        delta = delta[:1]
+    return rope_cos_sin(delta, head_dim, spec)
+
+
 def rerotate(
     k: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, head_dim: int, spec: RopeSpec
 ) -> torch.Tensor:
     """Move keys k (..., T, D) that were rotated at from_pos (T,) to to_pos (T,)."""
-    delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
-    if not bool(delta.any()):
+    if torch.equal(from_pos.to(torch.int64), to_pos.to(torch.int64)):
         return k
-    if bool((delta == delta[0]).all()):  # a chunk moves as a whole: one rotation for all its keys
-        delta = delta[:1]
-    cos, sin = rope_cos_sin(delta, head_dim, spec)
-    return apply_rope(k, cos, sin)
+    return apply_rope(k, *_shift(from_pos, to_pos, head_dim, spec))
 
 
 def rerotate_into(
@@ -75,10 +82,7 @@ def rerotate_into(
     """`rerotate(k, ...)` written straight into out (same shape as k, not overlapping it), with no
     temporaries: placing chunk caches does this for every chunk on every layer, where allocating fresh
     tensors (and faulting their pages in) cost more than the arithmetic."""
-    delta = to_pos.to(torch.int64) - from_pos.to(torch.int64)
-    if bool((delta == delta[0]).all()):  # a chunk moves as a whole: one rotation for all its keys
-        delta = delta[:1]
-    cos, sin = rope_cos_sin(delta, head_dim, spec)
+    cos, sin = _shift(from_pos, to_pos, head_dim, spec)
     half = head_dim // 2
     c, s = cos[:, :half], sin[:, :half]  # both halves share the frequencies
     k1, k2, o1, o2 = k[..., :half], k[..., half:], out[..., :half], out[..., half:]

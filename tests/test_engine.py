@@ -145,7 +145,7 @@ def test_bad_requests_get_clear_errors(tiny_engines) -> None:
 def test_failed_self_check_refuses_reuse_and_blend(tiny_models) -> None:
     root, _ = tiny_models["gemma3"]
     lm = load_model(root)
-    broken = lambda k, a, b, d, spec: k  # noqa: E731 - "forgets" to re-rotate moved keys
+    broken = lambda out, k, a, b, d, spec: out.copy_(k)  # noqa: E731 - "forgets" to re-rotate moved keys
     e = Engine(lm.model, lm.fingerprint, rotate=broken)
     assert e.blend_error and "self-check failed" in e.blend_error
     for mode in ("reuse", "blend"):
