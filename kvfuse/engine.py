@@ -30,6 +30,7 @@ import torch
 
 from kvfuse import fuse
 from kvfuse.controller import Controller, Decision
+from kvfuse.decode import Slot, batch_limit, step_hidden
 from kvfuse.kv import KVCache, one_thread
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
@@ -59,6 +60,7 @@ def parse_ratio(text: str) -> float | str:
         raise ValueError(f"the ratio must be between 0 and 1, got {text}")
     return r
 BLOCK_SIZE = 16
+MAX_DECODE_BATCH = 8  # the most requests one decoding step may carry (fewer if the check says so)
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|
 
 
@@ -181,6 +183,7 @@ class Engine:
         self._rotate = rotate
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
+        self._batch_limit: int | None = None  # decode_batch_limit's checked answer
         self.blend_error: str | None = self.self_check() if self_check else None
         if self.blend_error:
             log.warning("%s", self.blend_error)
@@ -489,62 +492,135 @@ class Engine:
         return stream.result
 
     @torch.inference_mode()
-    def _generate(
-        self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream, opts: _Extras
-    ) -> Generator[int, None, None]:
+    def begin(
+        self, req: Request, mode: str = "full", ratio: Ratio = None, params: SamplingParams | None = None,
+        *, head_tokens: int = LEGOLINK_HEAD_TOKENS, score: Sequence[int] | None = None,
+        record_logits: bool = False,
+    ) -> Decoding:
+        """Prefill a request and choose its first token; `advance` then moves it (with others) on.
+
+        The caller must `close()` it (that runs its store writes and records its Generation)."""
+        params = params or SamplingParams()
+        self.validate(req, mode, ratio, params.max_tokens)
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
-        pre = self.prefill(req, mode, ratio, opts.head_tokens, room=params.max_tokens)
+        pre = self.prefill(req, mode, ratio, head_tokens, room=params.max_tokens)
         store_stats = self.store.stats.since(before)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
             stop = set()
-        first_logits = pre.fused.logits
-        tok = sample(first_logits, params, gen)
-        ttft = time.perf_counter() - t0
-        scored = self._score(pre.fused, opts.score) if opts.score else None
-        steps: list[torch.Tensor] | None = [first_logits] if opts.record_logits else None
-        tokens = [tok]
-        finish = "length"
-        try:
-            if tok in stop:
-                finish = "stop"
-                return
-            yield tok
-            if params.max_tokens == 1:
-                return
-            decoder = _Decoder(self.model, pre.fused.cache, params.max_tokens, pre.fused.buffers)
-            greedy = params.temperature < MIN_TEMPERATURE and steps is None
-            head = self.greedy_head() if greedy else None
-            while len(tokens) < params.max_tokens:
-                if head is not None:  # only the argmax is needed: screen the head, exactly
-                    tok = head.argmax(self.model.norm(decoder.hidden(tok))[0])
-                else:
-                    logits = decoder.step(tok)
-                    if steps is not None:
-                        steps.append(logits)
-                    tok = sample(logits, params, gen)
-                tokens.append(tok)
-                if tok in stop:
-                    finish = "stop"
-                    return
-                yield tok
-        finally:
-            for write in pre.writeback:
-                write()
-            if finish == "stop":
-                tokens.pop()  # the stop token is not part of the output
-            out.result = Generation(
-                tokens, ttft, time.perf_counter() - t0, pre.counts, first_logits, finish, mode, pre.ratio, store_stats,
-                pre.controller, torch.stack(steps).float() if steps else None, scored,
-            )
+        first = sample(pre.fused.logits, params, gen)
+        d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
+        d.scored = self._score(pre.fused, score) if score else None
+        d.take(first)
+        return d
 
+    @torch.inference_mode()
+    def advance(self, batch: Sequence[Decoding]) -> None:
+        """Move every unfinished request in the batch on by one token, stepping them together in groups
+        of at most `decode_batch_limit()`: each gets exactly the token it would get stepped alone."""
+        live = [d for d in batch if not d.done]
+        size = self.decode_batch_limit() if len(live) > 1 else 1
+        for at in range(0, len(live), size):
+            self._step(live[at : at + size])
+
+    def _step(self, live: list[Decoding]) -> None:
+        for d in live:
+            if d.slot is None:
+                d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
+        h = step_hidden(self.model, [d.slot for d in live], [d.tokens[-1] for d in live])  # type: ignore[misc]
+        greedy = [j for j, d in enumerate(live) if d.params.temperature < MIN_TEMPERATURE and d.steps is None]
+        head = self.greedy_head() if greedy else None
+        chosen: dict[int, int] = {}
+        if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
+            chosen = dict(zip(greedy, head.argmax_rows(self.model.norm(h[greedy])), strict=True))
+        for j, d in enumerate(live):
+            if j not in chosen:
+                logits = self.model.logits(h[j : j + 1])[0]
+                if d.steps is not None:
+                    d.steps.append(logits)
+                chosen[j] = sample(logits, d.params, d.gen)
+            d.take(chosen[j])
+
+    def decode_batch_limit(self) -> int:
+        """How many requests `advance` steps together on this model and machine with every answer
+        unchanged, up to MAX_DECODE_BATCH (checked once: about a second on Gemma 3 270M)."""
+        if self._batch_limit is None:
+            with torch.inference_mode():
+                self._batch_limit = batch_limit(self.model, MAX_DECODE_BATCH, self.greedy_head())
+            log.info("decoding steps up to %d requests together", self._batch_limit)
+        return self._batch_limit
+
+    def _generate(
+        self, req: Request, mode: str, ratio: Ratio, params: SamplingParams, out: TokenStream, opts: _Extras
+    ) -> Generator[int, None, None]:
+        d = self.begin(req, mode, ratio, params, head_tokens=opts.head_tokens, score=opts.score,
+                       record_logits=opts.record_logits)
+        try:
+            sent = 0
+            while True:
+                while sent < len(d.tokens):
+                    sent += 1
+                    yield d.tokens[sent - 1]
+                if d.done:
+                    return
+                self.advance([d])
+        finally:
+            out.result = d.close()
+
+    @torch.inference_mode()
     def _score(self, fused: fuse.Fused, ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits (len(ids), vocab): row i predicts ids[i] after the prompt and ids[:i]."""
-        decoder = _Decoder(self.model, fused.cache, len(ids))
-        rows = [fused.logits] + [decoder.step(t) for t in ids[:-1]]
+        slot = Slot(self.model, fused.cache, len(ids))
+        rows = [fused.logits] + [self.model.logits(step_hidden(self.model, [slot], [t]))[0] for t in ids[:-1]]
         return torch.stack(rows).float()
+
+
+class Decoding:
+    """One request from its first token to its last: `Engine.begin` makes it, `Engine.advance` adds a
+    token, `close` runs its store writes and returns its Generation.
+
+    `tokens` are the tokens generated so far (a stop token ends it and is not kept); `done` is set
+    by a stop token or at max_tokens."""
+
+    def __init__(
+        self, pre: Prefilled, params: SamplingParams, stop: set[int], gen: torch.Generator | None, t0: float,
+        ttft: float, store: StoreStats, record_logits: bool,
+    ) -> None:
+        self.pre, self.params, self.stop, self.gen, self.t0, self.ttft = pre, params, stop, gen, t0, ttft
+        self.store = store
+        self.tokens: list[int] = []
+        self.done = False
+        self.finish_reason = "length"
+        self.slot: Slot | None = None
+        self.steps: list[torch.Tensor] | None = [pre.fused.logits] if record_logits else None
+        self.scored: torch.Tensor | None = None
+        self.result: Generation | None = None
+
+    def take(self, tok: int) -> None:
+        if tok in self.stop:
+            self.done, self.finish_reason = True, "stop"
+            return
+        self.tokens.append(tok)
+        self.done = len(self.tokens) >= self.params.max_tokens
+
+    def close(self) -> Generation:
+        """Finish (early, if it is not done): run the store writes once; returns the Generation."""
+        if self.result is None:
+            self.done = True
+            try:
+                with torch.inference_mode():
+                    for write in self.pre.writeback:
+                        write()
+            finally:
+                pre = self.pre
+                self.result = Generation(
+                    self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
+                    self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
+                    torch.stack(self.steps).float() if self.steps else None, self.scored,
+                )
+        return self.result
 
 
 @dataclass(frozen=True, slots=True)
@@ -552,44 +628,3 @@ class _Extras:
     head_tokens: int
     score: tuple[int, ...] | None
     record_logits: bool
-
-
-class _Decoder:
-    """Incremental decoding over buffers that hold the prompt's cache and room for max_new tokens.
-
-    `buffers` are the prefill's own (`Fused.buffers`): decoding appends to them in place. Without them
-    (or with too little room) the cache is copied into new buffers first."""
-
-    def __init__(
-        self, model: Decoder, cache: KVCache, max_new: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
-        cfg = model.cfg
-        self.model, self.n = model, len(cache)
-        cap = self.n + max_new
-        if buffers is not None and buffers[0].shape[2] >= cap:
-            self.k, self.v = buffers
-        else:
-            shape = (cfg.num_layers, cfg.num_kv_heads, cap, cfg.head_dim)  # (layers, kv_heads, T, head_dim)
-            self.k = torch.empty(shape, dtype=cache.k.dtype)
-            self.v = torch.empty(shape, dtype=cache.v.dtype)
-            self.k[:, :, : self.n], self.v[:, :, : self.n] = cache.k, cache.v
-        self.pos = torch.arange(self.k.shape[2])
-
-    def step(self, token: int) -> torch.Tensor:
-        """Feed one token at the next position; returns the next-token logits (vocab,)."""
-        return self.model.logits(self.hidden(token))[0]
-
-    def hidden(self, token: int) -> torch.Tensor:
-        """Feed one token at the next position; returns its last hidden state (1, hidden), before the final norm."""
-        m, n = self.model, self.n
-        h = m.embed(torch.tensor([token]))
-        p = self.pos[n : n + 1]
-        for i in range(m.cfg.num_layers):
-            q, k, v = m.project(i, h, p)
-            self.k[i, :, n : n + 1], self.v[i, :, n : n + 1] = k, v
-            w = m.cfg.window(i)
-            lo = max(0, n + 1 - w) if w is not None else 0
-            a = m.attend_all(i, q, self.k[i, :, lo : n + 1], self.v[i, :, lo : n + 1])  # all within reach
-            h = m.finish(i, h, a)
-        self.n += 1
-        return h

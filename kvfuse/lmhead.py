@@ -60,19 +60,34 @@ class GreedyHead:
             return None
         return head
 
+    def screen(self, xs: torch.Tensor) -> torch.Tensor:
+        """The int8 screen's approximate logits (rows, vocab) in float32 for normed hidden states (rows, hidden)."""
+        return torch._weight_int8pack_mm(xs.to(torch.bfloat16), self.q, self.scale).float()
+
+    def candidates_rows(self, xs: torch.Tensor) -> list[torch.Tensor]:
+        """For each normed hidden state in xs (rows, hidden): the indices of the rows of the head whose
+        logit may be the largest. One screen serves all rows: the int8 head is read once."""
+        approx = self.screen(xs)
+        xf = xs.float()
+        x_norm = xf.norm(dim=1, keepdim=True)
+        dx_norm = (xf - xs.to(torch.bfloat16).float()).norm(dim=1, keepdim=True)
+        slack = (self.err_norm + self.acc) * x_norm + self.row_norm * dx_norm
+        slack = slack + approx.abs() * (2.0**-8 + MARGIN) + MARGIN
+        best_low = (approx - slack).amax(dim=1, keepdim=True)
+        return [row.nonzero()[:, 0] for row in approx + slack >= best_low]
+
     def candidates(self, x: torch.Tensor) -> torch.Tensor:
         """Indices of the rows whose logit may be the largest, for one normed hidden state x (hidden,)."""
-        xb = x.to(torch.bfloat16)
-        approx = torch._weight_int8pack_mm(xb[None], self.q, self.scale)[0].float()
-        xf = x.float()
-        x_norm = xf.norm()
-        slack = (self.err_norm + self.acc) * x_norm + self.row_norm * (xf - xb.float()).norm()
-        slack = slack + approx.abs() * (2.0**-8 + MARGIN) + MARGIN
-        best_low = (approx - slack).max()
-        return (approx + slack >= best_low).nonzero()[:, 0]
+        return self.candidates_rows(x[None])[0]
+
+    def argmax_rows(self, xs: torch.Tensor) -> list[int]:
+        """For each normed hidden state in xs (rows, hidden), the index of its largest float32 logit."""
+        out = []
+        for x, cand in zip(xs, self.candidates_rows(xs), strict=True):
+            exact = F.linear(x[None], self.weight[cand])[0]
+            out.append(int(cand[int(exact.argmax())]))
+        return out
 
     def argmax(self, x: torch.Tensor) -> int:
         """The index of the largest float32 logit w_j . x, reading the float32 head only for candidates."""
-        cand = self.candidates(x)
-        exact = F.linear(x[None], self.weight[cand])[0]
-        return int(cand[int(exact.argmax())])
+        return self.argmax_rows(x[None])[0]

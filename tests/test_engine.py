@@ -208,7 +208,7 @@ def test_sampling_survives_extreme_parameters() -> None:
 
 @pytest.mark.parametrize("mode", ["full", "blend"])
 def test_decoding_in_the_prefill_buffers_equals_decoding_a_copy(tiny_engines, mode: str) -> None:
-    from kvfuse.engine import _Decoder
+    from kvfuse.decode import Slot, step_hidden
 
     e = tiny_engines["gemma3"]  # sliding and global layers
     req = _request(6)
@@ -217,11 +217,14 @@ def test_decoding_in_the_prefill_buffers_equals_decoding_a_copy(tiny_engines, mo
         pre = e.prefill(req, mode, 0.5 if mode == "blend" else None, room=6)
         assert pre.fused.buffers is not None and pre.fused.buffers[0].shape[2] == len(req) + 6
         prompt_k = pre.fused.cache.k.clone()
-        in_place = _Decoder(e.model, pre.fused.cache, 6, pre.fused.buffers)
-        copied = _Decoder(e.model, pre.fused.cache.clone(), 6)
+        in_place = Slot(e.model, pre.fused.cache, 6, pre.fused.buffers)
+        copied = Slot(e.model, pre.fused.cache.clone(), 6)
         assert in_place.k.data_ptr() == pre.fused.buffers[0].data_ptr()  # no copy was made
         for t in rand_ids(6, 60):
-            assert torch.equal(in_place.step(t), copied.step(t))
+            assert torch.equal(step_hidden(e.model, [in_place], [t]), step_hidden(e.model, [copied], [t]))
+        assert in_place.room == 0
+        with pytest.raises(ValueError, match="no room"):
+            step_hidden(e.model, [in_place], [1])
         assert torch.equal(pre.fused.cache.k, prompt_k)  # the prompt's cache (written back later) is intact
-        short = _Decoder(e.model, pre.fused.cache, 7, pre.fused.buffers)  # too little room: copies
+        short = Slot(e.model, pre.fused.cache, 7, pre.fused.buffers)  # too little room: copies
         assert short.k.data_ptr() != pre.fused.buffers[0].data_ptr() and short.k.shape[2] == len(req) + 7

@@ -20,6 +20,8 @@ def test_screened_argmax_is_the_float32_argmax(vocab: int, hidden: int, seed: in
         cand = head.candidates(x)
         assert int(exact.argmax()) in cand.tolist()
         assert head.argmax(x) == int(exact.argmax())
+    xs = torch.randn(4, hidden, generator=g) * x_scale  # several rows share one screen
+    assert head.argmax_rows(xs) == [int(r.argmax()) for r in F.linear(xs, w)]
 
 
 def test_the_screen_reads_few_rows_and_settles_near_ties() -> None:

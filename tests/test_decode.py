@@ -1,0 +1,100 @@
+"""Batched decoding: requests stepped together get exactly the tokens they get stepped alone."""
+
+import pytest
+import torch
+from conftest import rand_ids
+
+from kvfuse.decode import batch_limit
+from kvfuse.engine import Engine, Request
+from kvfuse.sampling import SamplingParams
+
+
+def _request(seed: int, n_chunks: int) -> Request:
+    return Request(prefix=(1,) + rand_ids(5 + seed, seed), chunks=tuple(rand_ids(7 + 3 * i, seed + i) for i in
+                   range(n_chunks)), suffix=rand_ids(4, seed + 50))
+
+
+# Requests of different lengths, modes, sampling and stopping: greedy (screened head), seeded
+# temperature sampling, recorded logits (the plain head), a stop token, and max_tokens of 1.
+CASES = [
+    (0, "full", None, SamplingParams(max_tokens=9, ignore_eos=True), False),
+    (1, "blend", 0.5, SamplingParams(max_tokens=7, ignore_eos=True), False),
+    (2, "full", None, SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True), False),
+    (3, "reuse", None, SamplingParams(max_tokens=6, ignore_eos=True), True),
+    (4, "full", None, SamplingParams(max_tokens=1, ignore_eos=True), False),
+]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_stepping_together_equals_stepping_alone(tiny_engines, family: str) -> None:
+    e = tiny_engines[family]
+    assert e.decode_batch_limit() >= 2  # (tiny shapes batch 2 rows bitwise on x86; Gemma's up to 15)
+    reqs = [(_request(seed, 1 + seed % 3), mode, ratio, params, rec) for seed, mode, ratio, params, rec in CASES]
+    for r, mode, *_ in reqs:
+        e.precompute(r, mode)
+    alone = [e.generate(r, mode, ratio, params, record_logits=rec) for r, mode, ratio, params, rec in reqs]
+    # a stop token halfway through one request: it leaves the batch early
+    toks = alone[0].tokens
+    k = max([i for i, t in enumerate(toks) if t not in toks[:i]])  # the last new token: stop there
+    stop_at = toks[k]
+    stopped = SamplingParams(max_tokens=9, stop_token_ids=(stop_at,))
+    alone_stop = e.generate(reqs[0][0], "full", None, stopped)
+    batch = [e.begin(r, mode, ratio, params, record_logits=rec) for r, mode, ratio, params, rec in reqs]
+    batch.append(e.begin(reqs[0][0], "full", None, stopped))
+    steps = 0
+    while not all(d.done for d in batch):
+        e.advance(batch)
+        steps += 1
+    together = [d.close() for d in batch]
+    assert steps == max(p.max_tokens for *_, p, _ in reqs) - 1
+    for a, t in zip(alone + [alone_stop], together, strict=True):
+        assert t.tokens == a.tokens
+        assert t.finish_reason == a.finish_reason
+        if a.step_logits is not None:
+            assert t.step_logits is not None and torch.equal(t.step_logits, a.step_logits)
+    assert together[-1].finish_reason == "stop" and together[-1].tokens == toks[:k]
+
+
+def test_batch_limit_finds_a_step_that_depends_on_the_batch(tiny_engines, monkeypatch) -> None:
+    e = tiny_engines["gemma3"]
+    m = e.model
+    assert batch_limit(m, 2) == 2
+    assert batch_limit(m, 1) == 1
+    finish = m.finish
+
+    def leaky(i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # every row sees the others
+        out = finish(i, h, a)
+        return out + 1e-3 * h.sum(0)
+
+    monkeypatch.setattr(m, "finish", leaky)
+    assert batch_limit(m, 2) == 1
+
+
+def test_advance_skips_finished_requests(tiny_engines) -> None:
+    e = tiny_engines["gemma3"]
+    r = _request(7, 2)
+    one = e.begin(r, "full", None, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert one.done and len(one.tokens) == 1
+    e.advance([one])  # nothing to do
+    assert len(one.tokens) == 1 and one.slot is None
+    g = one.close()
+    assert g.tokens == one.tokens and g.finish_reason == "length"
+    assert one.close() is g  # closing twice runs the store writes once
+
+
+def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch) -> None:
+    e: Engine = tiny_engines["qwen3"]
+    e._batch_limit = None
+    monkeypatch.setattr("kvfuse.engine.MAX_DECODE_BATCH", 3)
+    sizes: list[int] = []
+    step = e._step
+    monkeypatch.setattr(e, "_step", lambda live: (sizes.append(len(live)), step(live)))
+    batch = [e.begin(_request(s, 1), "full", None, SamplingParams(max_tokens=3, ignore_eos=True)) for s in range(7)]
+    limit = e.decode_batch_limit()
+    assert 2 <= limit <= 3
+    e.advance(batch)
+    assert sizes == [limit] * (7 // limit) + ([7 % limit] if 7 % limit else [])
+    for d in batch:
+        assert len(d.tokens) == 2
+        d.close()
+    e._batch_limit = None
