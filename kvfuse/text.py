@@ -81,33 +81,57 @@ def _held(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class TextDeltas:
+    """Token ids in, text deltas out, one token at a time, ending at the first stop string.
+
+    Text that could still turn into a stop string is held back until it is decided. `push` returns
+    the text a token released (often ""); once `stopped` is set, further tokens are ignored; `flush`
+    releases what was held back when the tokens end without a stop string."""
+
+    def __init__(self, tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP) -> None:
+        self.tok, self.stops = tok, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, t: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(t)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+            return ""
+        cut = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._release(text, cut)
+        return self._release(text, len(text) - _held(text, self.stops))
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._release(self.tok.decode(self.ids), None)
+
+    def _release(self, text: str, upto: int | None) -> str:
+        end = len(text) if upto is None else upto
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : end], end
+        return out
+
+
 def stream_text(
     tokens: Iterable[int], tok: Tokenizer, stops: Sequence[str] = DEFAULT_STOP
 ) -> Generator[str, None, None]:
-    """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string.
-
-    Text that could still turn into a stop string is held back until it is decided."""
-    ids: list[int] = []
-    sent = 0
+    """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string."""
+    deltas = TextDeltas(tok, stops)
     it = iter(tokens)
     try:
         for t in it:
-            ids.append(t)
-            text = tok.decode(ids)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-                continue
-            cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-            if cut >= 0:
-                if cut > sent:
-                    yield text[sent:cut]
+            if d := deltas.push(t):
+                yield d
+            if deltas.stopped:
                 return
-            ready = len(text) - _held(text, stops)
-            if ready > sent:
-                yield text[sent:ready]
-                sent = ready
-        text = tok.decode(ids)
-        if len(text) > sent:
-            yield text[sent:]
+        if d := deltas.flush():
+            yield d
     finally:
         close = getattr(it, "close", None)
         if close is not None:
