@@ -9,8 +9,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,14 +22,14 @@ from kvfuse.engine import Engine, ModeUnavailableError, RequestError
 from kvfuse.engine import Request as EngineRequest
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import Document, KBError
-from kvfuse.kb.quotes import Citation, find_quote, usable
 from kvfuse.sampling import SamplingParams
 from kvfuse.server.auth import ANONYMOUS, Keys, Principal
+from kvfuse.server.generation import Generating, Outcome, Planned
 from kvfuse.server.metrics import Metrics
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest, DocumentUpsert, KvfuseOptions
 from kvfuse.server.worker import QueueFull, Worker
 from kvfuse.store.keys import Salt
-from kvfuse.text import ChatTemplate, stream_text
+from kvfuse.text import ChatTemplate
 
 log = logging.getLogger(__name__)
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -53,6 +53,7 @@ class Limits:
     max_documents: int = 16
     max_document_tokens: int = 4096
     max_queue: int = 16
+    max_batch: int = 8  # requests decoding together (capped by what the engine checks batches exactly)
 
 
 @dataclass
@@ -66,24 +67,10 @@ class ServerState:
     kb_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.worker = Worker(self.limits.max_queue)
+        batch = min(self.limits.max_batch, self.engine.decode_batch_limit()) if self.limits.max_batch > 1 else 1
+        self.worker = Worker(self.limits.max_queue, self.engine.advance, batch)
         self.metrics = Metrics(self.engine.store, lambda: self.worker.depth)
         self.chat = ChatTemplate.for_tokenizer(self.tok)
-
-
-@dataclass
-class Planned:
-    request: EngineRequest
-    mode: str
-    ratio: float | str | None
-    params: SamplingParams
-    stops: list[str]
-    kb: KnowledgeBase | None
-    group: str | None
-    tenant: str | None
-    opts: KvfuseOptions
-    question: str
-    plan_tokens: int = 0  # how much of the request's prefix is the knowledge base's (0: none)
 
 
 def _principal(state: ServerState, request: Request) -> Principal:
@@ -226,92 +213,6 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
                    len(plan_ids))
 
 
-@dataclass
-class Outcome:
-    text: str
-    result: Any
-    finish_reason: str
-    citations: list[Citation]
-    cancelled: bool
-    built_tokens: int = 0  # knowledge-base prefix tokens computed for this request (cold cache)
-    build_s: float = 0.0
-
-
-def run_planned(state: ServerState, p: Planned, cancel: threading.Event, emit: Any, streaming: bool) -> Outcome:
-    """On the worker thread: build the kb prefix if needed, generate, cite, and count."""
-    eng, tok = state.engine, state.tok
-    built, build_s = 0, 0.0
-    if cancel.is_set():
-        raise asyncio.CancelledError()
-    kb, group = p.kb, p.group
-    if kb is not None and group is not None:
-        plan = kb.plan(group, p.tenant)
-        req = p.request
-        if plan.ids != req.prefix[: p.plan_tokens]:  # the knowledge base was edited after this request was planned
-            tenant = [s for s in req.salts if s.key.startswith("tenant:") and s.end > len(req.prefix)]
-            moved = [replace(s, start=len(plan.ids)) for s in tenant]
-            req = replace(req, prefix=plan.ids + req.prefix[p.plan_tokens :], salts=plan.salts + tuple(moved))
-            p = replace(p, request=req, plan_tokens=len(plan.ids))
-        report = kb.ensure_built(group, p.tenant)
-        if report is not None:
-            built, build_s = report.tokens_recomputed, report.build_s
-    stream = eng.stream(p.request, p.mode, p.ratio, p.params)
-
-    def tokens() -> Iterator[int]:  # stops at the next token once the client has gone
-        for t in stream:
-            if cancel.is_set():
-                return
-            yield t
-
-    pieces: list[str] = []
-    texts = stream_text(tokens(), tok, p.stops)
-    stopped_by_string = False
-    for delta in texts:
-        pieces.append(delta)
-        if streaming:
-            emit("delta", delta)
-    texts.close()
-    stream.close()
-    cancelled = cancel.is_set()
-    result = stream.result
-    text = "".join(pieces)
-    if result is not None and p.stops:
-        full_text = tok.decode(result.tokens)
-        stopped_by_string = any(s in full_text for s in p.stops)
-    citations: list[Citation] = []
-    if p.kb is not None and p.group is not None and not cancelled:
-        try:
-            citations = _citations(p, text)
-        except Exception:  # a failed citation must not cost the answer
-            log.exception("citations failed")
-    if result is not None:
-        c = result.counts
-        cached = max(0, c.cached - built)
-        state.metrics.observe(result.ttft_s + build_s, c.prompt, cached, c.recomputed, len(result.tokens))
-        if p.kb is not None and p.group is not None:
-            p.kb._add_usage(p.kb.plan(p.group, p.tenant), c.prompt, cached)
-    hit_limit = result is not None and len(result.tokens) >= p.params.max_tokens and result.finish_reason == "length"
-    finish = "length" if hit_limit and not stopped_by_string else "stop"
-    return Outcome(text, result, finish, citations, cancelled, built, build_s)
-
-
-def _citations(p: Planned, text: str) -> list[Citation]:
-    """Quotes inside the answer, verified; else a supporting passage found by retrieval (labelled so)."""
-    assert p.kb is not None and p.group is not None
-    plan = p.kb.plan(p.group, p.tenant)
-    if p.opts.quote:
-        prep = p.kb.prepare(p.question, p.group, p.tenant)
-        return p.kb.cite(p.question, text.strip(), prep)
-    import re
-
-    quoted = [q for q in re.findall(r"[\"“]([^\"”]+)[\"”]", text) if usable(q)]
-    found = [find_quote(q, plan.documents) for q in quoted]
-    if any(c.verified for c in found):
-        return found
-    support = p.kb.supporting_passage(f"{p.question} {text}", plan.documents)
-    return found + ([support] if support is not None else [])
-
-
 def _usage(o: Outcome) -> dict[str, Any]:
     c = o.result.counts
     n = len(o.result.tokens)
@@ -397,7 +298,7 @@ def create_app(state: ServerState) -> FastAPI:
         planned = plan_request(state, body, principal, chat)
         streaming = bool(body.stream)
         try:
-            job = state.worker.submit(lambda cancel, emit: run_planned(state, planned, cancel, emit, streaming))
+            job = state.worker.submit(lambda cancel, emit: Generating(state, planned, cancel, emit, streaming))
         except QueueFull as e:
             raise ApiError(429, f"The server is busy ({state.worker.max_queue} requests queued); retry in "
                                 f"{e.retry_after} s.", "rate_limit_error", code="queue_full",

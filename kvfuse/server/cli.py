@@ -17,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
     s.add_argument("--keys", default=None, help="TOML file of API keys, tenants and their knowledge-base groups")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="requests that decode together, one token each per step (1: one request at a time)")
     s.add_argument("--max-documents", type=int, default=16, help="documents per request")
     s.add_argument("--max-document-tokens", type=int, default=4096, help="tokens per document")
     s.add_argument("--log-level", default="info")
@@ -32,8 +34,9 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvfuse.text import Tokenizer
     from kvfuse.weights import cache_dir, resolve_model_path
 
-    if min(args.max_queue, args.max_documents, args.max_document_tokens) < 1:
-        raise SystemExit("kvfuse: --max-queue, --max-documents and --max-document-tokens must be at least 1")
+    if min(args.max_queue, args.max_batch, args.max_documents, args.max_document_tokens) < 1:
+        raise SystemExit("kvfuse: --max-queue, --max-batch, --max-documents and --max-document-tokens must be at "
+                         "least 1")
     try:
         keys = Keys.load(args.keys) if args.keys else None
         manifests = [load_manifest(k) for k in args.kb]
@@ -47,7 +50,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     engine, tok = Engine.load(path, store_dir=store), Tokenizer(path)
     engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     kbs = {m.name: KnowledgeBase(engine, tok, m, state_dir=store) for m in manifests}
-    limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue)
+    limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch)
     return ServerState(engine, tok, Path(path).name, kbs, keys, limits)
 
 

@@ -1,8 +1,12 @@
-"""One model, one worker thread, a bounded queue.
+"""One model, one worker thread, a bounded queue, and decoding steps shared by the running requests.
 
-Requests are jobs run one at a time on the worker thread, in arrival order, so parallel requests get
-exactly the answers they would get one by one. A job emits events to its asyncio queue; setting its
-cancel event (the client went away) stops it at the next token, or before it starts."""
+Jobs start on the worker thread in arrival order. A plain job runs to its end there. A generating
+job starts (its prefill and first token) and hands back a `Stepper`; the worker then moves every
+running stepper on by one token per step, all of them in one `advance` call (the engine decodes them
+as one batch), and starts queued jobs between steps while fewer than max_batch are running. Batching
+changes no answer (see kvfuse/decode.py), so parallel requests get exactly the answers they would get
+one by one. A job emits events to its asyncio queue; setting its cancel event (the client went away)
+stops it at the next token, or before it starts."""
 
 from __future__ import annotations
 
@@ -12,10 +16,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 Emit = Callable[[str, Any], None]
 JobFn = Callable[[threading.Event, Emit], Any]
+
+
+@runtime_checkable
+class Stepper(Protocol):
+    """A job that generates: `decoding` is what `advance` moves on; after each step the worker calls
+    `stepped()` (take the new token), and once `done`, `finish()` (the job's result)."""
+
+    decoding: Any
+
+    @property
+    def done(self) -> bool: ...
+
+    def stepped(self) -> None: ...
+
+    def finish(self) -> Any: ...
 
 
 class QueueFull(Exception):
@@ -28,6 +47,7 @@ class Job:
     def __init__(self, fn: JobFn, loop: asyncio.AbstractEventLoop) -> None:
         self.fn, self.loop = fn, loop
         self.cancel = threading.Event()
+        self.started = time.perf_counter()  # reset when the worker starts it
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def emit(self, kind: str, value: Any = None) -> None:
@@ -43,14 +63,17 @@ class Job:
 
 
 class Worker:
-    def __init__(self, max_queue: int = 16) -> None:
-        if max_queue < 1:
-            raise ValueError("the queue needs room for at least one request")
-        self.max_queue = max_queue
+    def __init__(self, max_queue: int = 16, advance: Callable[[list[Any]], None] | None = None,
+                 max_batch: int = 1) -> None:
+        if max_queue < 1 or max_batch < 1:
+            raise ValueError("the queue and the batch need room for at least one request")
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self._advance = advance
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._depth = 0
         self._lock = threading.Lock()
-        self._recent: deque[float] = deque(maxlen=20)
+        self._last_end: float | None = None
+        self._recent: deque[float] = deque(maxlen=20)  # seconds between finished jobs
         self._thread = threading.Thread(target=self._run, name="kvfuse-model", daemon=True)
         self._thread.start()
 
@@ -77,25 +100,73 @@ class Worker:
         return job
 
     def _run(self) -> None:
+        running: list[tuple[Job, Stepper]] = []
         while True:
-            job = self._q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                if job.cancel.is_set():
-                    job.emit("error", asyncio.CancelledError())
-                else:
-                    job.emit("done", job.fn(job.cancel, job.emit))
-            except BaseException as e:  # reported to the request; the worker keeps serving
+            while len(running) < self.max_batch:  # start queued jobs before the next step
                 try:
-                    job.emit("error", e)
-                except RuntimeError:  # the request's event loop is gone: nobody is waiting
-                    pass
-            finally:
-                with self._lock:
-                    self._depth -= 1
-                self._recent.append(time.perf_counter() - t0)
+                    job = self._q.get(block=not running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    for j, s in running:
+                        self._end(j, s, "error", asyncio.CancelledError())
+                    return
+                self._start(job, running)
+            if not running:
+                continue
+            try:
+                assert self._advance is not None
+                self._advance([s.decoding for _, s in running])
+            except BaseException as e:  # the step failed: it fails every request in it; the worker goes on
+                for j, s in running:
+                    self._end(j, s, "error", e)
+                running = []
+                continue
+            for j, s in list(running):
+                try:
+                    s.stepped()
+                    if s.done or j.cancel.is_set():
+                        running.remove((j, s))
+                        self._end(j, s, "done", None)
+                except BaseException as e:
+                    running.remove((j, s))
+                    self._end(j, s, "error", e)
+
+    def _start(self, job: Job, running: list[tuple[Job, Stepper]]) -> None:
+        job.started = time.perf_counter()
+        try:
+            if job.cancel.is_set():
+                raise asyncio.CancelledError()
+            out = job.fn(job.cancel, job.emit)
+            if isinstance(out, Stepper) and not (out.done or job.cancel.is_set()):
+                if self._advance is None:
+                    raise RuntimeError("a generating job needs a worker with an advance function")
+                running.append((job, out))
+                return
+            self._end(job, out if isinstance(out, Stepper) else None, "done", out)
+        except BaseException as e:  # reported to the request; the worker keeps serving
+            self._end(job, None, "error", e)
+
+    def _end(self, job: Job, stepper: Stepper | None, kind: str, value: Any) -> None:
+        """Report a job's end: its stepper's result (kind "done"), or an error."""
+        try:
+            if stepper is not None:
+                try:
+                    result = stepper.finish()
+                except BaseException as e:
+                    kind, value = "error", e
+                else:
+                    value = result if kind == "done" else value
+            try:
+                job.emit(kind, value)
+            except RuntimeError:  # the request's event loop is gone: nobody is waiting
+                pass
+        finally:
+            with self._lock:
+                self._depth -= 1
+            now = time.perf_counter()  # the time since the worker last finished a job, while busy with this one
+            self._recent.append(now - max(self._last_end or 0.0, job.started))
+            self._last_end = now
 
     def close(self) -> None:
         self._q.put(None)

@@ -1,0 +1,116 @@
+"""The worker: plain jobs run alone, generating jobs step together, at most max_batch at a time."""
+
+import asyncio
+import threading
+from typing import Any
+
+from kvfuse.server.worker import Worker
+
+
+class Counter:
+    """A fake generating job: done after `steps` steps; `fail_at` makes its stepped() raise there."""
+
+    def __init__(self, name: str, steps: int, log: list[str], fail_at: int | None = None) -> None:
+        self.name, self.steps, self.log, self.fail_at = name, steps, log, fail_at
+        self.decoding = self
+        self.seen = 0
+        self.finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.steps
+
+    def stepped(self) -> None:
+        self.seen += 1
+        if self.seen == self.fail_at:
+            raise ValueError(f"{self.name} broke")
+
+    def finish(self) -> Any:
+        self.finished += 1
+        return (self.name, self.seen)
+
+
+async def _collect(job: Any) -> tuple[str, Any]:
+    async for kind, value in job.stream():
+        if kind in ("done", "error"):
+            return kind, value
+    raise AssertionError("no end")
+
+
+def _run(worker: Worker, jobs: list[Any], gate: threading.Event) -> list[tuple[str, Any]]:
+    async def main() -> list[tuple[str, Any]]:
+        worker.submit(lambda cancel, emit: gate.wait(10))  # holds the worker until all are queued
+        submitted = [worker.submit(j) for j in jobs]
+        gate.set()
+        return list(await asyncio.gather(*(_collect(j) for j in submitted)))
+
+    return asyncio.run(main())
+
+
+def test_generating_jobs_step_together_up_to_max_batch() -> None:
+    sizes: list[list[str]] = []
+    log: list[str] = []
+    worker = Worker(16, lambda batch: sizes.append([c.name for c in batch]), max_batch=3)
+    counters = [Counter(f"c{i}", steps, log) for i, steps in enumerate([2, 4, 1, 3, 2])]
+    try:
+        out = _run(worker, [lambda cancel, emit, c=c: c for c in counters], threading.Event())
+    finally:
+        worker.close()
+    assert out == [("done", (c.name, c.steps)) for c in counters]
+    assert all(c.finished == 1 for c in counters)
+    assert max(len(s) for s in sizes) == 3 and sizes[0] == ["c0", "c1", "c2"]
+    assert sum(len(s) for s in sizes) == sum(c.steps for c in counters)  # one step per token, none wasted
+    assert ["c3"] in sizes or any("c3" in s and "c1" in s for s in sizes)  # a freed place was refilled
+    assert worker.depth == 0
+
+
+def test_a_failing_request_or_step_fails_only_what_it_touches() -> None:
+    broken_step = {"on": False}
+
+    def advance(batch: list[Any]) -> None:
+        if broken_step["on"]:
+            raise RuntimeError("the step broke")
+
+    worker = Worker(16, advance, max_batch=4)
+    log: list[str] = []
+    try:
+        bad = Counter("bad", 5, log, fail_at=2)
+        good = Counter("good", 3, log)
+
+        def boom(cancel: Any, emit: Any) -> Any:
+            raise KeyError("no such thing")
+
+        out = _run(worker, [lambda c, e: bad, lambda c, e: good, boom], threading.Event())
+        assert out[0][0] == "error" and "bad broke" in str(out[0][1]) and bad.finished == 1
+        assert out[1] == ("done", ("good", 3))
+        assert out[2][0] == "error" and isinstance(out[2][1], KeyError)
+        broken_step["on"] = True
+        lost = [Counter("x", 3, log), Counter("y", 3, log)]
+        out = _run(worker, [lambda c, e, k=k: k for k in lost], threading.Event())
+        assert [k for k, _ in out] == ["error", "error"] and all(k.finished == 1 for k in lost)
+        broken_step["on"] = False
+        assert _run(worker, [lambda c, e: Counter("after", 2, log)], threading.Event()) == [("done", ("after", 2))]
+        assert worker.alive and worker.depth == 0
+    finally:
+        worker.close()
+
+
+def test_a_cancelled_request_leaves_at_the_next_step() -> None:
+    worker = Worker(16, lambda batch: None, max_batch=2)
+    long = Counter("long", 1000, [])
+    cancels: list[threading.Event] = []
+
+    def start(cancel: threading.Event, emit: Any) -> Counter:
+        cancels.append(cancel)
+        return long
+
+    def stepped() -> None:
+        Counter.stepped(long)
+        if long.seen == 3:
+            cancels[0].set()  # the client went away
+
+    long.stepped = stepped  # type: ignore[method-assign]
+    try:
+        assert _run(worker, [start], threading.Event()) == [("done", ("long", 3))]
+    finally:
+        worker.close()
