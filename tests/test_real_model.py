@@ -183,3 +183,21 @@ def test_real_screened_greedy_decoding_equals_the_float32_head(real) -> None:  #
         req = _request(tok, case, 2)
         screened = engine.generate(req, "full", params=params).tokens
         assert screened == plain.generate(req, "full", params=params).tokens
+
+
+def test_real_batched_decoding_equals_decoding_alone(real) -> None:  # type: ignore[no-untyped-def]
+    """Gemma's decoding steps batch requests without changing a token: greedy through the int8 screen,
+    and sampled, stepped together in groups of the checked limit against each stepped alone."""
+    from kvfuse.sampling import SamplingParams
+
+    engine, tok, _ = real
+    limit = engine.decode_batch_limit()
+    assert limit >= 2, "no batch is bitwise equal to decoding alone on this machine"  # 8 on the dev machine
+    reqs = [_request(tok, case, 2) for case in _cases()[:5]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
+              for i in range(5)]
+    alone = [engine.generate(r, "reuse", params=p).tokens for r, p in zip(reqs, params, strict=True)]
+    batch = [engine.begin(r, "reuse", None, p) for r, p in zip(reqs, params, strict=True)]
+    while not all(d.done for d in batch):
+        engine.advance(batch)
+    assert [d.close().tokens for d in batch] == alone
