@@ -78,17 +78,27 @@ def step_hidden(model: Decoder, slots: list[Slot], tokens: list[int]) -> torch.T
     return h[:b]
 
 
-def batch_limit(model: Decoder, limit: int, screen: GreedyHead | None = None) -> int:
+def batch_limit(model: Decoder, limit: int, screen: GreedyHead | None = None, probes: int = 2) -> int:
     """The largest b <= limit for which every row of a b-row step is bitwise equal to the same sequence
-    stepped alone (in a MIN_ROWS step); 1 when even MIN_ROWS rows disagree. Checked on random caches
-    and tokens with this model's own weights, so the answer holds for this model on this machine.
+    stepped alone (in a MIN_ROWS step); 1 when even MIN_ROWS rows disagree. Checked with this model's
+    own weights on `probes` sets of random caches and tokens (kernels are picked by shape, but a few
+    element-wise ones round a vector body and a scalar tail differently, so more data is safer).
 
     `screen` (a `GreedyHead`) is checked too: its batched int8 screen must match its one-row screen."""
+    best = limit
+    for seed in range(probes):
+        best = _probe(model, best, screen, seed)
+        if best <= 1:
+            break
+    return max(1, min(best, limit))
+
+
+def _probe(model: Decoder, limit: int, screen: GreedyHead | None, seed: int) -> int:
     cfg = model.cfg
     if limit <= 1:
         return 1
-    gen = torch.Generator().manual_seed(0)
-    ctx = 7
+    gen = torch.Generator().manual_seed(seed)
+    ctx = 7 + 5 * seed
     shape = (cfg.num_layers, cfg.num_kv_heads, ctx, cfg.head_dim)
     dtype = model.embed_tokens.weight.dtype
     caches = [KVCache(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype),

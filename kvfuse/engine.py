@@ -497,9 +497,8 @@ class Engine:
         *, head_tokens: int = LEGOLINK_HEAD_TOKENS, score: Sequence[int] | None = None,
         record_logits: bool = False,
     ) -> Decoding:
-        """Prefill a request and choose its first token; `advance` then moves it (with others) on.
-
-        The caller must `close()` it (that runs its store writes and records its Generation)."""
+        """Prefill a request, choose its first token and run its store writes; `advance` then moves it
+        (with others) on, and `close()` returns its Generation."""
         params = params or SamplingParams()
         self.validate(req, mode, ratio, params.max_tokens)
         t0 = time.perf_counter()
@@ -512,6 +511,8 @@ class Engine:
             stop = set()
         first = sample(pre.fused.logits, params, gen)
         d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
+        for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
+            write()  # whether this one is still decoding or not
         d.scored = self._score(pre.fused, score) if score else None
         d.take(first)
         return d
@@ -519,7 +520,10 @@ class Engine:
     @torch.inference_mode()
     def advance(self, batch: Sequence[Decoding]) -> None:
         """Move every unfinished request in the batch on by one token, stepping them together in groups
-        of at most `decode_batch_limit()`: each gets exactly the token it would get stepped alone."""
+        of at most `decode_batch_limit()`: each gets exactly the token it would get stepped alone.
+
+        A failure of one request's own (its sampling) ends it with `error` set; a failure of the step
+        itself raises."""
         live = [d for d in batch if not d.done]
         size = self.decode_batch_limit() if len(live) > 1 else 1
         for at in range(0, len(live), size):
@@ -536,12 +540,15 @@ class Engine:
         if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
             chosen = dict(zip(greedy, head.argmax_rows(self.model.norm(h[greedy])), strict=True))
         for j, d in enumerate(live):
-            if j not in chosen:
-                logits = self.model.logits(h[j : j + 1])[0]
-                if d.steps is not None:
-                    d.steps.append(logits)
-                chosen[j] = sample(logits, d.params, d.gen)
-            d.take(chosen[j])
+            try:
+                if j not in chosen:
+                    logits = self.model.logits(h[j : j + 1])[0]
+                    if d.steps is not None:
+                        d.steps.append(logits)
+                    chosen[j] = sample(logits, d.params, d.gen)
+                d.take(chosen[j])
+            except Exception as e:  # this request's own failure (its sampling): the others go on
+                d.fail(e)
 
     def decode_batch_limit(self) -> int:
         """How many requests `advance` steps together on this model and machine with every answer
@@ -563,6 +570,8 @@ class Engine:
                 while sent < len(d.tokens):
                     sent += 1
                     yield d.tokens[sent - 1]
+                if d.error is not None:
+                    raise d.error
                 if d.done:
                     return
                 self.advance([d])
@@ -582,7 +591,7 @@ class Decoding:
     token, `close` runs its store writes and returns its Generation.
 
     `tokens` are the tokens generated so far (a stop token ends it and is not kept); `done` is set
-    by a stop token or at max_tokens."""
+    by a stop token, at max_tokens, or by a failure (then `error` holds it)."""
 
     def __init__(
         self, pre: Prefilled, params: SamplingParams, stop: set[int], gen: torch.Generator | None, t0: float,
@@ -597,6 +606,7 @@ class Decoding:
         self.steps: list[torch.Tensor] | None = [pre.fused.logits] if record_logits else None
         self.scored: torch.Tensor | None = None
         self.result: Generation | None = None
+        self.error: Exception | None = None
 
     def take(self, tok: int) -> None:
         if tok in self.stop:
@@ -605,21 +615,19 @@ class Decoding:
         self.tokens.append(tok)
         self.done = len(self.tokens) >= self.params.max_tokens
 
+    def fail(self, error: Exception) -> None:
+        self.done, self.error = True, error
+
     def close(self) -> Generation:
-        """Finish (early, if it is not done): run the store writes once; returns the Generation."""
+        """Finish (early, if it is not done); returns the Generation, the same one on every call."""
         if self.result is None:
             self.done = True
-            try:
-                with torch.inference_mode():
-                    for write in self.pre.writeback:
-                        write()
-            finally:
-                pre = self.pre
-                self.result = Generation(
-                    self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
-                    self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
-                    torch.stack(self.steps).float() if self.steps else None, self.scored,
-                )
+            pre = self.pre
+            self.result = Generation(
+                self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
+                self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
+                torch.stack(self.steps).float() if self.steps else None, self.scored,
+            )
         return self.result
 
 

@@ -79,12 +79,59 @@ def test_advance_skips_finished_requests(tiny_engines) -> None:
     assert len(one.tokens) == 1 and one.slot is None
     g = one.close()
     assert g.tokens == one.tokens and g.finish_reason == "length"
-    assert one.close() is g  # closing twice runs the store writes once
+    assert one.close() is g  # closing again changes nothing
+
+
+def test_a_request_stores_its_prompt_when_it_starts(tiny_engines) -> None:
+    """The next request finds this one's prefix blocks while this one still decodes, as it would after it."""
+    e = tiny_engines["mistral"]
+    shared = (1,) + rand_ids(40, 70)
+    a, b = (Request(prefix=shared + rand_ids(3, s), suffix=rand_ids(2, s + 1)) for s in (80, 90))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = e.begin(a, "prefix", None, params)
+    assert not first.done
+    second = e.begin(b, "prefix", None, params)  # the first has not closed
+    assert second.pre.counts.cached == len(shared) // e.block_size * e.block_size > 0
+    for d in (first, second):
+        d.close()
+
+
+def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypatch) -> None:
+    from kvfuse import engine as engine_mod
+
+    e = tiny_engines["gemma3"]
+    sample = engine_mod.sample
+
+    calls: list[int] = []
+
+    def picky(logits, params, gen=None):  # type: ignore[no-untyped-def]
+        if params.seed == 13:  # a request whose sampling fails after its first token
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("probabilities are not finite")
+        return sample(logits, params, gen)
+
+    reqs = [_request(s, 1) for s in (20, 21)]
+    alone = e.generate(reqs[0], "full", None, SamplingParams(max_tokens=4, ignore_eos=True)).tokens
+    monkeypatch.setattr(engine_mod, "sample", picky)
+    good = e.begin(reqs[0], "full", None, SamplingParams(max_tokens=4, ignore_eos=True))
+    bad = e.begin(reqs[1], "full", None, SamplingParams(max_tokens=4, temperature=0.7, seed=13, ignore_eos=True))
+    e.advance([good, bad])
+    assert bad.done and isinstance(bad.error, RuntimeError) and len(bad.tokens) == 1
+    while not good.done:
+        e.advance([good, bad])
+    assert good.error is None and good.close().tokens == alone
+    calls.clear()
+    stream = e.stream(reqs[1], "full", None, SamplingParams(max_tokens=4, temperature=0.7, seed=13, ignore_eos=True))
+    assert len([next(stream)]) == 1  # the first token comes; the failure surfaces at the next
+    with pytest.raises(RuntimeError, match="not finite"):
+        next(stream)
+    assert stream.result is not None and len(stream.result.tokens) == 1
 
 
 def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch) -> None:
     e: Engine = tiny_engines["qwen3"]
-    e._batch_limit = None
+    monkeypatch.setattr(e, "_batch_limit", None)  # restored afterwards, even if this fails
     monkeypatch.setattr("kvfuse.engine.MAX_DECODE_BATCH", 3)
     sizes: list[int] = []
     step = e._step
@@ -97,4 +144,3 @@ def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch)
     for d in batch:
         assert len(d.tokens) == 2
         d.close()
-    e._batch_limit = None
