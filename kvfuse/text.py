@@ -101,14 +101,18 @@ class TextDeltas:
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return ""
+        return self._cut(text, len(text) - _held(text, self.stops))
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._cut(self.tok.decode(self.ids), None)
+
+    def _cut(self, text: str, upto: int | None) -> str:
+        """Release text up to `upto` (None: all of it), or up to the first stop string in it."""
         cut = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             return self._release(text, cut)
-        return self._release(text, len(text) - _held(text, self.stops))
-
-    def flush(self) -> str:
-        return "" if self.stopped else self._release(self.tok.decode(self.ids), None)
+        return self._release(text, upto)
 
     def _release(self, text: str, upto: int | None) -> str:
         end = len(text) if upto is None else upto

@@ -50,3 +50,19 @@ def test_streamed_text_equals_cut_text(text: str, stop: str) -> None:
     cut = text.find(stop)
     assert "".join(deltas) == (text if cut < 0 else text[:cut])
     assert all(deltas)
+
+
+class HalfCharTokenizer:
+    """Decodes a fixed text whose last character is still incomplete (as a byte-level tokenizer does)."""
+
+    def decode(self, ids) -> str:  # type: ignore[no-untyped-def]
+        return "yes\nand more\ufffd"
+
+
+def test_a_stop_string_is_cut_even_when_the_tokens_end_mid_character() -> None:
+    from kvfuse.text import TextDeltas
+
+    deltas = TextDeltas(HalfCharTokenizer(), ["\n"])  # type: ignore[arg-type]
+    assert deltas.push(1) == ""  # waits for the rest of the character
+    assert deltas.flush() == "yes" and deltas.stopped
+    assert deltas.push(2) == "" and deltas.flush() == ""
