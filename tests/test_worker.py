@@ -15,6 +15,7 @@ class Counter:
         self.decoding = self
         self.seen = 0
         self.finished = 0
+        self.aborted = 0
 
     @property
     def done(self) -> bool:
@@ -27,7 +28,11 @@ class Counter:
 
     def finish(self) -> Any:
         self.finished += 1
+        self.log.append(f"end {self.name}")
         return (self.name, self.seen)
+
+    def abort(self) -> None:
+        self.aborted += 1
 
 
 async def _collect(job: Any) -> tuple[str, Any]:
@@ -81,13 +86,13 @@ def test_a_failing_request_or_step_fails_only_what_it_touches() -> None:
             raise KeyError("no such thing")
 
         out = _run(worker, [lambda c, e: bad, lambda c, e: good, boom], threading.Event())
-        assert out[0][0] == "error" and "bad broke" in str(out[0][1]) and bad.finished == 1
+        assert out[0][0] == "error" and "bad broke" in str(out[0][1]) and (bad.finished, bad.aborted) == (0, 1)
         assert out[1] == ("done", ("good", 3))
         assert out[2][0] == "error" and isinstance(out[2][1], KeyError)
         broken_step["on"] = True
         lost = [Counter("x", 3, log), Counter("y", 3, log)]
         out = _run(worker, [lambda c, e, k=k: k for k in lost], threading.Event())
-        assert [k for k, _ in out] == ["error", "error"] and all(k.finished == 1 for k in lost)
+        assert [k for k, _ in out] == ["error", "error"] and all((k.finished, k.aborted) == (0, 1) for k in lost)
         broken_step["on"] = False
         assert _run(worker, [lambda c, e: Counter("after", 2, log)], threading.Event()) == [("done", ("after", 2))]
         assert worker.alive and worker.depth == 0
@@ -114,3 +119,44 @@ def test_a_cancelled_request_leaves_at_the_next_step() -> None:
         assert _run(worker, [start], threading.Event()) == [("done", ("long", 3))]
     finally:
         worker.close()
+
+
+def test_a_barrier_job_waits_for_the_running_ones_and_holds_the_queue() -> None:
+    log: list[str] = []
+    worker = Worker(16, lambda batch: None, max_batch=4)
+
+    async def main() -> list[tuple[str, Any]]:
+        gate = threading.Event()
+        worker.submit(lambda cancel, emit: gate.wait(10))
+        jobs = [worker.submit(lambda c, e: Counter("a", 3, log)),
+                worker.submit(lambda c, e: log.append("edit"), barrier=True),
+                worker.submit(lambda c, e: Counter("b", 1, log))]
+        gate.set()
+        return list(await asyncio.gather(*(_collect(j) for j in jobs)))
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        worker.close()
+    assert [k for k, _ in out] == ["done"] * 3
+    assert log == ["end a", "edit", "end b"]  # the edit ran alone, and what came after it waited for it
+
+
+def test_shutdown_and_cancelled_jobs_end_with_an_error_event() -> None:
+    worker = Worker(16, lambda batch: None, max_batch=2)
+    endless = Counter("endless", 10**9, [])
+
+    async def main() -> list[tuple[str, Any]]:
+        cancelled = worker.submit(lambda c, e: Counter("never", 1, []))
+        cancelled.cancel.set()  # before it started
+        running = worker.submit(lambda c, e: endless)
+        first = await _collect(cancelled)
+        while endless.seen < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, worker.close)
+        return [first, await _collect(running)]
+
+    out = asyncio.run(main())
+    assert [k for k, _ in out] == ["error", "error"]
+    assert all(isinstance(v, asyncio.CancelledError) for _, v in out)
+    assert (endless.finished, endless.aborted) == (0, 1) and not worker.alive and worker.depth == 0

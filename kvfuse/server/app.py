@@ -392,7 +392,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _on_worker(fn: Any, request: Request) -> Any:
         try:
-            job = state.worker.submit(lambda cancel, emit: fn())
+            job = state.worker.submit(lambda cancel, emit: fn(), barrier=True)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy; retry in {e.retry_after} s.", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None

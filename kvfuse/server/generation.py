@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvfuse.engine import Decoding, Generation
 from kvfuse.engine import Request as EngineRequest
 from kvfuse.kb.base import KnowledgeBase
+from kvfuse.kb.prefix import PrefixPlan
 from kvfuse.kb.quotes import Citation, find_quote, usable
 from kvfuse.sampling import SamplingParams
 from kvfuse.server.schemas import KvfuseOptions
@@ -61,6 +62,7 @@ class Generating:
         if cancel.is_set():
             raise asyncio.CancelledError()
         kb, group = p.kb, p.group
+        self.plan: PrefixPlan | None = None  # the knowledge base as this request reads it (citations, usage)
         if kb is not None and group is not None:
             plan = kb.plan(group, p.tenant)
             req = p.request
@@ -72,6 +74,7 @@ class Generating:
             report = kb.ensure_built(group, p.tenant)
             if report is not None:
                 self.built, self.build_s = report.tokens_recomputed, report.build_s
+            self.plan = plan
         self.p = p
         self.deltas = TextDeltas(state.tok, p.stops)
         self.pieces: list[str] = []
@@ -85,6 +88,8 @@ class Generating:
 
     def stepped(self) -> None:
         """Turn the tokens generated since the last call into text, and stream it."""
+        if self.decoding.error is not None:
+            raise self.decoding.error
         tokens = self.decoding.tokens
         while self.sent < len(tokens) and not self.deltas.stopped:
             self._out(self.deltas.push(tokens[self.sent]))
@@ -96,6 +101,9 @@ class Generating:
             if self.streaming:
                 self.emit("delta", delta)
 
+    def abort(self) -> None:
+        self.decoding.close()
+
     def finish(self) -> Outcome:
         """Close the generation (its store writes run now), then cite and count."""
         result = self.decoding.close()
@@ -106,25 +114,24 @@ class Generating:
         text = "".join(self.pieces)
         stopped_by_string = self.deltas.stopped
         citations: list[Citation] = []
-        if p.kb is not None and p.group is not None and not cancelled:
+        if self.plan is not None and not cancelled:
             try:
-                citations = _citations(p, text)
+                citations = _citations(p, self.plan, text)
             except Exception:  # a failed citation must not cost the answer
                 log.exception("citations failed")
         c = result.counts
         cached = max(0, c.cached - self.built)
         state.metrics.observe(result.ttft_s + self.build_s, c.prompt, cached, c.recomputed, len(result.tokens))
-        if p.kb is not None and p.group is not None:
-            p.kb._add_usage(p.kb.plan(p.group, p.tenant), c.prompt, cached)
+        if p.kb is not None and self.plan is not None:
+            p.kb._add_usage(self.plan, c.prompt, cached)
         hit_limit = len(result.tokens) >= p.params.max_tokens and result.finish_reason == "length"
         finish = "length" if hit_limit and not stopped_by_string else "stop"
         return Outcome(text, result, finish, citations, cancelled, self.built, self.build_s)
 
 
-def _citations(p: Planned, text: str) -> list[Citation]:
+def _citations(p: Planned, plan: PrefixPlan, text: str) -> list[Citation]:
     """Quotes inside the answer, verified; else a supporting passage found by retrieval (labelled so)."""
     assert p.kb is not None and p.group is not None
-    plan = p.kb.plan(p.group, p.tenant)
     if p.opts.quote:
         prep = p.kb.prepare(p.question, p.group, p.tenant)
         return p.kb.cite(p.question, text.strip(), prep)

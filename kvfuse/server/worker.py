@@ -3,10 +3,12 @@
 Jobs start on the worker thread in arrival order. A plain job runs to its end there. A generating
 job starts (its prefill and first token) and hands back a `Stepper`; the worker then moves every
 running stepper on by one token per step, all of them in one `advance` call (the engine decodes them
-as one batch), and starts queued jobs between steps while fewer than max_batch are running. Batching
-changes no answer (see kvfuse/decode.py), so parallel requests get exactly the answers they would get
-one by one. A job emits events to its asyncio queue; setting its cancel event (the client went away)
-stops it at the next token, or before it starts."""
+as one batch), and starts queued jobs between steps while fewer than max_batch are running. A
+barrier job (a knowledge-base edit) waits until none is running, and a request stores its prompt's
+cache as soon as it has its first token, so a request reads the knowledge base and the store as it
+would one by one; batching changes no answer (see kvfuse/decode.py). So parallel requests get exactly
+the answers they would get one by one. A job emits events to its asyncio queue; setting its cancel
+event (the client went away) stops it at the next token, or before it starts."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ JobFn = Callable[[threading.Event, Emit], Any]
 @runtime_checkable
 class Stepper(Protocol):
     """A job that generates: `decoding` is what `advance` moves on; after each step the worker calls
-    `stepped()` (take the new token), and once `done`, `finish()` (the job's result)."""
+    `stepped()` (take the new token; raise on this request's own failure), and once `done`,
+    `finish()` (the job's result); on an error it calls `abort()` instead."""
 
     decoding: Any
 
@@ -36,6 +39,8 @@ class Stepper(Protocol):
 
     def finish(self) -> Any: ...
 
+    def abort(self) -> None: ...
+
 
 class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
@@ -44,8 +49,9 @@ class QueueFull(Exception):
 
 
 class Job:
-    def __init__(self, fn: JobFn, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, fn: JobFn, loop: asyncio.AbstractEventLoop, barrier: bool = False) -> None:
         self.fn, self.loop = fn, loop
+        self.barrier = barrier  # starts only when no other job is running (it changes what they read)
         self.cancel = threading.Event()
         self.started = time.perf_counter()  # reset when the worker starts it
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -90,8 +96,10 @@ class Worker:
         per_job = sum(self._recent) / len(self._recent) if self._recent else 1.0
         return max(1, round(per_job * self._depth))
 
-    def submit(self, fn: JobFn) -> Job:
-        job = Job(fn, asyncio.get_running_loop())
+    def submit(self, fn: JobFn, barrier: bool = False) -> Job:
+        """Queue a job; a `barrier` job (a knowledge-base edit) waits until the running ones are done, so
+        that every request reads the knowledge base as it was when it started."""
+        job = Job(fn, asyncio.get_running_loop(), barrier)
         with self._lock:
             if self._depth >= self.max_queue:
                 raise QueueFull(self.retry_after())
@@ -101,23 +109,33 @@ class Worker:
 
     def _run(self) -> None:
         running: list[tuple[Job, Stepper]] = []
+        held: Job | None = None  # a barrier job waiting for the running ones to finish
         while True:
             while len(running) < self.max_batch:  # start queued jobs before the next step
-                try:
-                    job = self._q.get(block=not running)
-                except queue.Empty:
-                    break
+                job: Job | None
+                if held is not None:
+                    if running:
+                        break
+                    job, held = held, None
+                else:
+                    try:
+                        job = self._q.get(block=not running)
+                    except queue.Empty:
+                        break
                 if job is None:
                     for j, s in running:
                         self._end(j, s, "error", asyncio.CancelledError())
                     return
+                if job.barrier and running:
+                    held = job
+                    break
                 self._start(job, running)
             if not running:
                 continue
             try:
                 assert self._advance is not None
                 self._advance([s.decoding for _, s in running])
-            except BaseException as e:  # the step failed: it fails every request in it; the worker goes on
+            except BaseException as e:  # the step itself failed: every request in it fails; the worker goes on
                 for j, s in running:
                     self._end(j, s, "error", e)
                 running = []
@@ -128,12 +146,13 @@ class Worker:
                     if s.done or j.cancel.is_set():
                         running.remove((j, s))
                         self._end(j, s, "done", None)
-                except BaseException as e:
+                except BaseException as e:  # this request's own failure
                     running.remove((j, s))
                     self._end(j, s, "error", e)
 
     def _start(self, job: Job, running: list[tuple[Job, Stepper]]) -> None:
         job.started = time.perf_counter()
+        out = None
         try:
             if job.cancel.is_set():
                 raise asyncio.CancelledError()
@@ -145,18 +164,19 @@ class Worker:
                 return
             self._end(job, out if isinstance(out, Stepper) else None, "done", out)
         except BaseException as e:  # reported to the request; the worker keeps serving
-            self._end(job, None, "error", e)
+            self._end(job, out if isinstance(out, Stepper) else None, "error", e)
 
     def _end(self, job: Job, stepper: Stepper | None, kind: str, value: Any) -> None:
-        """Report a job's end: its stepper's result (kind "done"), or an error."""
+        """Report a job's end: its stepper's result (kind "done"), or an error (the stepper is aborted)."""
         try:
             if stepper is not None:
                 try:
-                    result = stepper.finish()
+                    if kind == "done":
+                        value = stepper.finish()
+                    else:
+                        stepper.abort()
                 except BaseException as e:
                     kind, value = "error", e
-                else:
-                    value = result if kind == "done" else value
             try:
                 job.emit(kind, value)
             except RuntimeError:  # the request's event loop is gone: nobody is waiting
