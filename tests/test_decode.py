@@ -144,3 +144,63 @@ def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch)
     for d in batch:
         assert len(d.tokens) == 2
         d.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_wide(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A 2-layer Gemma 3 with Gemma 3 270M's widths (hidden 640, MLP 2048, 4 x 256 query heads, 1 kv head):
+    the shapes decide how many rows the BLAS keeps bitwise equal, and the tiny configs keep only 2."""
+    import dataclasses
+
+    import transformers as tf
+    from tiny import hf_config
+
+    from kvfuse.weights import load_model
+
+    cfg = hf_config("gemma3").to_dict()
+    cfg.update(hidden_size=640, intermediate_size=2048, num_key_value_heads=1, head_dim=256, num_hidden_layers=2,
+               layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256)
+    root = tmp_path_factory.mktemp("gemma-wide")
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.Gemma3TextConfig(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(root, safe_serialization=True)
+    lm = load_model(root)
+    e = Engine(lm.model, lm.fingerprint)
+    e.cfg = dataclasses.replace(e.cfg, eos_token_ids=())
+    return e
+
+
+def test_wide_rows_step_together_in_batches_of_more_than_two(gemma_wide, monkeypatch) -> None:
+    from kvfuse import decode
+
+    e = gemma_wide
+    limit = e.decode_batch_limit()
+    if limit < 4:
+        pytest.skip(f"this machine's BLAS keeps only {limit} rows bitwise equal at Gemma's widths (8 on x86 dev)")
+    reqs = [_request(s, 1 + s % 3) for s in range(6)]
+    params = [SamplingParams(max_tokens=6, **({"temperature": 0.8, "seed": s} if s % 2 else {})) for s in range(6)]
+    rec = [s % 3 == 0 for s in range(6)]  # some record their logits: compared bitwise
+    alone = [e.generate(r, "full", None, p, record_logits=k) for r, p, k in zip(reqs, params, rec, strict=True)]
+    batch = [e.begin(r, "full", None, p, record_logits=k) for r, p, k in zip(reqs, params, rec, strict=True)]
+    sizes: list[int] = []
+    step = e._step
+    e._step = lambda live: (sizes.append(len(live)), step(live))  # type: ignore[method-assign]
+    try:
+        while not all(d.done for d in batch):
+            e.advance(batch)
+    finally:
+        del e._step
+    assert max(sizes) == min(6, limit) > 2
+    together = [d.close() for d in batch]
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    for g, a, k in zip(together, alone, rec, strict=True):
+        assert not k or (g.step_logits is not None and a.step_logits is not None
+                         and torch.equal(g.step_logits, a.step_logits))
+    # The premise of the padding row: unpadded, a lone request's step is not bitwise a batch row.
+    monkeypatch.setattr(decode, "MIN_ROWS", 1)
+    lone = e.generate(reqs[0], "full", None, params[0], record_logits=True).step_logits
+    assert lone is not None and together[0].step_logits is not None
+    assert not torch.equal(lone[1:], together[0].step_logits[1:])
