@@ -85,18 +85,16 @@ def batch_limit(model: Decoder, limit: int, screen: GreedyHead | None = None, pr
     element-wise ones round a vector body and a scalar tail differently, so more data is safer).
 
     `screen` (a `GreedyHead`) is checked too: its batched int8 screen must match its one-row screen."""
-    best = limit
+    best = max(1, limit)
     for seed in range(probes):
-        best = _probe(model, best, screen, seed)
-        if best <= 1:
+        if best < MIN_ROWS:
             break
-    return max(1, min(best, limit))
+        best = _probe(model, best, screen, seed)
+    return best
 
 
 def _probe(model: Decoder, limit: int, screen: GreedyHead | None, seed: int) -> int:
     cfg = model.cfg
-    if limit <= 1:
-        return 1
     gen = torch.Generator().manual_seed(seed)
     ctx = 7 + 5 * seed
     shape = (cfg.num_layers, cfg.num_kv_heads, ctx, cfg.head_dim)

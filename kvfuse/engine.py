@@ -587,8 +587,8 @@ class Engine:
 
 
 class Decoding:
-    """One request from its first token to its last: `Engine.begin` makes it, `Engine.advance` adds a
-    token, `close` runs its store writes and returns its Generation.
+    """One request from its first token to its last: `Engine.begin` makes it (and runs its store
+    writes), `Engine.advance` adds a token, `close` returns its Generation.
 
     `tokens` are the tokens generated so far (a stop token ends it and is not kept); `done` is set
     by a stop token, at max_tokens, or by a failure (then `error` holds it)."""

@@ -79,7 +79,6 @@ class Generating:
         self.deltas = TextDeltas(state.tok, p.stops)
         self.pieces: list[str] = []
         self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params)
-        self.sent = 0
         self.stepped()
 
     @property
@@ -90,10 +89,9 @@ class Generating:
         """Turn the tokens generated since the last call into text, and stream it."""
         if self.decoding.error is not None:
             raise self.decoding.error
-        tokens = self.decoding.tokens
-        while self.sent < len(tokens) and not self.deltas.stopped:
-            self._out(self.deltas.push(tokens[self.sent]))
-            self.sent += 1
+        tokens, seen = self.decoding.tokens, self.deltas.ids  # the text so far covers `seen`
+        while len(seen) < len(tokens) and not self.deltas.stopped:
+            self._out(self.deltas.push(tokens[len(seen)]))
 
     def _out(self, delta: str) -> None:
         if delta:
@@ -105,11 +103,11 @@ class Generating:
         self.decoding.close()
 
     def finish(self) -> Outcome:
-        """Close the generation (its store writes run now), then cite and count."""
+        """Close the generation, release any held-back text, then cite and count."""
         result = self.decoding.close()
         cancelled = self.cancel.is_set()
         p, state = self.p, self.state
-        if not self.deltas.stopped and not cancelled:
+        if not cancelled:
             self._out(self.deltas.flush())
         text = "".join(self.pieces)
         stopped_by_string = self.deltas.stopped
