@@ -59,20 +59,17 @@ def main() -> None:
         for case in cases:
             req = musique_prompt(case, args.passages).request(tok)
             full = engine.prefill(req, "full").fused.logits
-            caches = [engine.chunk_cache(c)[0] for c in req.chunks]
+            caches = [engine.cache.chunk_cache(c)[0] for c in req.chunks]
             ids = [torch.tensor(c) for c in req.chunks]
             prefix = fuse.prefill(engine.model, torch.tensor(req.prefix)).cache
             suffix = torch.tensor(req.suffix)
+            layout = fuse.FuseLayout.of(prefix, caches, suffix, ids)
             for name, spec in variants.items():
                 if spec is None:
-                    out = fuse.reuse(engine.model, prefix, caches, suffix).logits
+                    out = fuse.reuse(engine.model, layout).logits
                 else:
                     ratio, m, dev = spec
-                    fuse.kv_deviation = dev
-                    try:
-                        out = fuse.blend(engine.model, prefix, caches, ids, suffix, ratio, m).logits
-                    finally:
-                        fuse.kv_deviation = hkvd
+                    out = fuse.blend(engine.model, layout, ratio, filter_layers=m, deviation=dev).logits
                 kls[name].append(kl(full, out))
                 agree[name] += int(out.argmax() == full.argmax())
     print(f"{len(cases)} MuSiQue cases, {args.passages} passages each\n")

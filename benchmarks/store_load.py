@@ -76,7 +76,7 @@ def main() -> None:
         store = open_store(tmp / "fp32", lm.fingerprint)
         drop_page_cache(tmp / "fp32")
         t0 = time.perf_counter()
-        entries = [store.open(engine.chunk_key(c)) for c in req.chunks]
+        entries = [store.open(engine.cache.chunk_key(c)) for c in req.chunks]
         for i in range(lm.model.cfg.num_layers):
             for e in entries:
                 assert e is not None
@@ -111,7 +111,7 @@ def main() -> None:
                    self_check=False)
         e.precompute(req, "blend")
         e.store.flush()
-        per_token = e.chunk_cache(req.chunks[0])[0].nbytes / len(req.chunks[0])
+        per_token = e.cache.chunk_cache(req.chunks[0])[0].nbytes / len(req.chunks[0])
         ts = []
         for _ in range(args.runs):
             fresh = Engine(lm.model, lm.fingerprint, store=open_store(root, lm.fingerprint), kv_dtype=dtype,

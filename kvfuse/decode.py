@@ -1,4 +1,5 @@
-"""Incremental decoding: one new token per sequence per step, several sequences in one step.
+"""Incremental decoding: one new token per sequence per step, several sequences in one step, and a
+request's decoding state (`Decoding`, from its first token to its `Generation`).
 
 Each sequence keeps its own cache (`Slot`). A step (`step_hidden`) runs the layers' projections and
 MLPs for every sequence's new token as one matrix, so the weights are read once for the whole batch;
@@ -15,11 +16,20 @@ how many rows every row's result is bitwise the same as in a MIN_ROWS step.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
 import torch
 
+from kvfuse.control.policy import Decision
+from kvfuse.fuse import Fused
 from kvfuse.kv import KVCache
 from kvfuse.lmhead import GreedyHead
 from kvfuse.model import Decoder
+from kvfuse.request import Generation, TokenCounts
+from kvfuse.sampling import SamplingParams
+from kvfuse.store.tiered import StoreStats
 
 MIN_ROWS = 2  # a step runs at least this many rows: see the module docstring
 
@@ -119,3 +129,75 @@ def _probe(model: Decoder, limit: int, screen: GreedyHead | None, seed: int) -> 
             break
         best = b
     return best
+
+
+@dataclass(slots=True)
+class Prefilled:
+    fused: Fused
+    counts: TokenCounts
+    mode: str
+    ratio: float | None
+    writeback: list[Callable[[], object]] = field(default_factory=list)  # store writes to run after TTFT
+    controller: Decision | None = None
+
+
+class TokenStream:
+    """Iterates a request's generated token ids; `result` is set once iteration ends. `close()` cancels."""
+
+    def __init__(self, run: Callable[[TokenStream], Generator[int, None, None]]) -> None:
+        self.result: Generation | None = None
+        self._gen = run(self)  # the generator records its Generation on this stream when it ends
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+class Decoding:
+    """One request from its first token to its last: `Engine.begin` makes it (and runs its store
+    writes), `Engine.advance` adds a token, `close` returns its Generation.
+
+    `tokens` are the tokens generated so far (a stop token ends it and is not kept); `done` is set
+    by a stop token, at max_tokens, or by a failure (then `error` holds it)."""
+
+    def __init__(
+        self, pre: Prefilled, params: SamplingParams, stop: set[int], gen: torch.Generator | None, t0: float,
+        ttft: float, store: StoreStats, record_logits: bool,
+    ) -> None:
+        self.pre, self.params, self.stop, self.gen, self.t0, self.ttft = pre, params, stop, gen, t0, ttft
+        self.store = store
+        self.tokens: list[int] = []
+        self.done = False
+        self.finish_reason = "length"
+        self.slot: Slot | None = None
+        self.steps: list[torch.Tensor] | None = [pre.fused.logits] if record_logits else None
+        self.scored: torch.Tensor | None = None
+        self.result: Generation | None = None
+        self.error: Exception | None = None
+
+    def take(self, tok: int) -> None:
+        if tok in self.stop:
+            self.done, self.finish_reason = True, "stop"
+            return
+        self.tokens.append(tok)
+        self.done = len(self.tokens) >= self.params.max_tokens
+
+    def fail(self, error: Exception) -> None:
+        self.done, self.error = True, error
+
+    def close(self) -> Generation:
+        """Finish (early, if it is not done); returns the Generation, the same one on every call."""
+        if self.result is None:
+            self.done = True
+            pre = self.pre
+            self.result = Generation(
+                self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
+                self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
+                torch.stack(self.steps).float() if self.steps else None, self.scored,
+            )
+        return self.result

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvfuse.kb.base import Answer, KnowledgeBase
+from kvfuse.kb.answer import Answer
 
 QUESTION = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
 TICKET_QUESTION = "Is the customer on ticket 4812 entitled to a refund?"
@@ -30,22 +30,21 @@ def _show(a: Answer) -> None:
 
 
 def run_demo(model: str | None = None, store: str | None = None) -> int:
-    from kvfuse.engine import Engine
     from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
-    from kvfuse.text import Tokenizer
-    from kvfuse.weights import cache_dir, resolve_model_path
+    from kvfuse.runtime import open_engine, open_kb, store_dir
+    from kvfuse.weights import cache_dir
 
     print("Loading the model (the first run converts Gemma 3 270M once)...", flush=True)
-    store_dir = Path(store) if store else cache_dir() / "store"
-    path = resolve_model_path(model)
-    engine, tok = Engine.load(path, store_dir=store_dir), Tokenizer(path)
-    kb = KnowledgeBase.open("albaran", engine, tok, state_dir=store_dir)
+    where = store_dir(store)
+    rt = open_engine(model, where)
+    engine, tok = rt.engine, rt.tok
+    kb = open_kb("albaran", rt, where)
     r = kb.build(GROUP, progress=True)
     if r.loaded:
         print(f"Loaded the persisted Albarán cache ({r.tokens_total} tokens, group {GROUP}) in {r.build_s:.2f} s.")
     else:
         print(f"Built the Albarán cache: {r.tokens_total} tokens ({r.tokens_recomputed} computed, "
-              f"{r.tokens_reused} reused) in {r.build_s:.1f} s, {r.bytes / 2**20:.0f} MiB, stored in {store_dir}.")
+              f"{r.tokens_reused} reused) in {r.build_s:.1f} s, {r.bytes / 2**20:.0f} MiB, stored in {where}.")
 
     print(f"\n1. CAG, from the cached policies\n  question: {QUESTION}\n  (the Team terms say 30 calendar days; "
           "the FAQ's general rule of 14 days is the trap)")

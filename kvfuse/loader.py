@@ -22,6 +22,9 @@ class LayerSource(Protocol):
 
     positions: torch.Tensor
 
+    @property
+    def nbytes(self) -> int: ...
+
     def __len__(self) -> int: ...
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 

@@ -1,7 +1,7 @@
 import pytest
 from conftest import rand_ids
 
-from kvfuse.controller import Controller, Profile, TierProfile
+from kvfuse.control.policy import Controller, Profile, TierProfile
 from kvfuse.engine import Engine, Request, RequestError
 from kvfuse.weights import load_model
 

@@ -124,12 +124,12 @@ def test_capacity_lru_and_pins(tmp_path: Path) -> None:
 
 
 def test_tiered_store_writes_back_and_promotes(tmp_path: Path) -> None:
-    store = TieredStore(MemoryTier(), DiskTier(tmp_path, model_fp="m1"))
+    store = TieredStore([MemoryTier(), DiskTier(tmp_path, model_fp="m1")])
     c = _cache()
     store.put("9abc", c)  # type: ignore[arg-type]
     store.flush()
-    assert "9abc" in store.disk  # type: ignore[operator]
-    cold = TieredStore(MemoryTier(), DiskTier(tmp_path, model_fp="m1"))
+    assert "9abc" in store.tiers[1]
+    cold = TieredStore([MemoryTier(), DiskTier(tmp_path, model_fp="m1")])
     assert _same(cold.get("9abc"), c)  # type: ignore[arg-type]
     assert cold.stats.tiers_used == {"disk"} and cold.stats.bytes_read == c.nbytes
     assert _same(cold.get("9abc"), c) and cold.stats.tiers_used == {"disk", "memory"}  # type: ignore[arg-type]

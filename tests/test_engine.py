@@ -176,13 +176,13 @@ def test_legolink_bounds(tiny_engines, family: str) -> None:
     req = _request(7)
     e.precompute(req, "legolink")
     full = e.generate(req, "full", params=GREEDY)
-    whole = e.generate(req, "legolink", params=GREEDY, head_tokens=max(len(c) for c in req.chunks))
-    none = e.generate(req, "legolink", params=GREEDY, head_tokens=0)
+    whole = e.generate(req, fuse.Legolink(head_tokens=max(len(c) for c in req.chunks)), params=GREEDY)
+    none = e.generate(req, fuse.Legolink(head_tokens=0), params=GREEDY)
     reuse = e.generate(req, "reuse", params=GREEDY)
     assert (whole.first_logits - full.first_logits).abs().max() < 1e-4
     assert whole.counts.recomputed == sum(len(c) for c in req.chunks)
     assert torch.allclose(none.first_logits, reuse.first_logits, atol=1e-5)
-    some = e.generate(req, "legolink", params=GREEDY, head_tokens=4)
+    some = e.generate(req, fuse.Legolink(head_tokens=4), params=GREEDY)
     assert some.counts.recomputed == 4 * len(req.chunks)
     assert (some.first_logits - full.first_logits).abs().max() > 1e-4  # a partial recompute is not exact
 

@@ -10,7 +10,14 @@ from kvfuse.engine import Engine, Request
 from kvfuse.kv import KVCache
 from kvfuse.loader import LayerLoader
 from kvfuse.store import open_store
+from kvfuse.store.disk import DiskTier
 from kvfuse.weights import load_model
+
+
+def _disk(e: Engine) -> DiskTier:
+    tier = e.store.tier("disk")
+    assert isinstance(tier, DiskTier)
+    return tier
 
 
 def _engine(root: Path, store_dir: Path) -> Engine:
@@ -64,7 +71,7 @@ def test_damaged_entry_is_dropped_and_recomputed(warm_store, damage) -> None:  #
     second = _engine(root, store_dir)
     out = second.generate(req, "blend", 0.3)
     # a truncated header is caught by the start-up scan, a flipped data byte by the layer CRC on read
-    assert out.store.corrupt + second.store.disk.corrupt >= 1  # type: ignore[union-attr]
+    assert out.store.corrupt + _disk(second).corrupt >= 1
     assert out.store.misses + out.store.corrupt >= 1  # recomputed, not used
     assert torch.allclose(out.first_logits, logits, atol=1e-5)  # same answer as the cold run
 
@@ -116,14 +123,14 @@ def test_loader_reads_the_next_layer_ahead() -> None:
 def test_file_renamed_to_another_chunks_key_is_not_used(warm_store, tiny_models) -> None:  # type: ignore[no-untyped-def]
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    a, b = (e.chunk_key(c) for c in req.chunks)
-    path_a, path_b = (e.store.disk.info(k).path for k in (a, b))  # type: ignore[union-attr]
+    a, b = (e.cache.chunk_key(c) for c in req.chunks)
+    path_a, path_b = (_disk(e).info(k).path for k in (a, b))
     path_b.unlink()
     path_a.rename(path_b)  # chunk b's file now holds chunk a
     fresh = _engine(root, store_dir)
     out = fresh.generate(req, "blend", 0.3)
     assert torch.allclose(out.first_logits, logits, atol=1e-5)
-    assert fresh.store.disk.corrupt >= 1 and out.store.misses >= 1  # type: ignore[union-attr]
+    assert _disk(fresh).corrupt >= 1 and out.store.misses >= 1
 
 
 def test_file_written_by_another_model_under_the_right_key_is_not_used(warm_store, tiny_models) -> None:  # type: ignore[no-untyped-def]
@@ -131,9 +138,9 @@ def test_file_written_by_another_model_under_the_right_key_is_not_used(warm_stor
 
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    key = e.chunk_key(req.chunks[0])
+    key = e.cache.chunk_key(req.chunks[0])
     forged = DiskTier(store_dir, model_fp="some-other-model")
-    forged.put(key, KVCache.concat([e.chunk_cache(req.chunks[0])[0]]).clone())  # same key, foreign model
+    forged.put(key, KVCache.concat([e.cache.chunk_cache(req.chunks[0])[0]]).clone())  # same key, foreign model
     fresh = _engine(root, store_dir)
     out = fresh.generate(req, "blend", 0.3)
     assert out.store.corrupt == 1 and torch.allclose(out.first_logits, logits, atol=1e-5)
@@ -153,7 +160,7 @@ def test_full_disk_keeps_requests_answering(tiny_models, tmp_path, monkeypatch, 
     e.store.flush()
     full = e.generate(req, "full")
     assert out.tokens == full.tokens and "full" in caplog.text
-    assert len(e.store.disk) == 0  # type: ignore[arg-type]
+    assert len(_disk(e)) == 0
     assert e.generate(req, "blend", 1.0).store.tiers_used == {"memory"}  # still served from memory
 
 
@@ -171,10 +178,10 @@ def test_partial_hits_fuse_cached_and_new_chunks(tiny_models, tmp_path) -> None:
 def test_only_the_damaged_entry_is_dropped(warm_store) -> None:  # type: ignore[no-untyped-def]
     root, store_dir, req, logits, _ = warm_store
     e = _engine(root, store_dir)
-    bad, good = (e.chunk_key(c) for c in req.chunks)
-    _flip(e.store.disk.info(bad).path)  # type: ignore[union-attr]
+    bad, good = (e.cache.chunk_key(c) for c in req.chunks)
+    _flip(_disk(e).info(bad).path)
     out = e.generate(req, "blend", 0.3)
     assert out.store.corrupt == 1 and torch.allclose(out.first_logits, logits, atol=1e-5)
-    assert e.store.disk.corrupt == 1  # type: ignore[union-attr]  # the good entry was kept and used
+    assert _disk(e).corrupt == 1  # the good entry was kept and used
     e.store.flush()  # the recomputed chunk was written back, and its new file verifies
-    assert e.store.disk.get(bad) is not None and e.store.disk.get(good) is not None  # type: ignore[union-attr]
+    assert _disk(e).get(bad) is not None and _disk(e).get(good) is not None

@@ -51,7 +51,7 @@ def test_blend_at_ratio_one_equals_full(models, family: str) -> None:
     prefix, chunks, suffix = _layout()
     full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
     caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]  # computed at offset 1, so re-rotated
-    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 1.0)
+    out = fuse.blend(m, _fused_layout(m, prefix, caches, chunks, suffix), 1.0)
     _assert_close(out.logits, full.logits, f"{family} blend@1 logits")
     _assert_close(out.cache.k, full.cache.k, f"{family} blend@1 keys")
     _assert_close(out.cache.v, full.cache.v, f"{family} blend@1 values")
@@ -72,7 +72,7 @@ def test_reuse_equals_block_diagonal_oracle(models, family: str) -> None:
         caches.append(fuse.precompute_chunk(m, (1,), c, start=at))
         at += len(c)
     oracle = m(ids, mask=mask)
-    out = fuse.reuse(m, fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix))
+    out = fuse.reuse(m, fuse.FuseLayout.of(fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix)))
     _assert_close(out.logits, oracle[-1], f"{family} reuse vs block-diagonal oracle")
     assert float((out.logits - fuse.prefill(m, ids).logits).abs().max()) > 1e-4  # reuse is not full
 
@@ -96,7 +96,7 @@ def test_blend_selection_only_shrinks_and_counts(models) -> None:
     m = models["qwen3"]
     prefix, chunks, suffix = _layout(3)
     caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
-    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 0.3)
+    out = fuse.blend(m, _fused_layout(m, prefix, caches, chunks, suffix), 0.3)
     n = sum(len(c) for c in chunks)
     sizes = [len(s) for s in out.selected]
     assert sizes == fuse.keep_schedule(m.cfg.num_layers, n, 0.3)
@@ -111,7 +111,7 @@ def test_blend_picks_the_highest_deviation_tokens(models) -> None:
     prefix, chunks, suffix = _layout(4)
     caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
     caches[1].k[1, :, 3] += 50.0  # layer 1, chunk 1, token 3
-    out = fuse.blend(m, fuse.prefill(m, _t(prefix)).cache, caches, [_t(c) for c in chunks], _t(suffix), 0.1)
+    out = fuse.blend(m, _fused_layout(m, prefix, caches, chunks, suffix), 0.1)
     assert len(chunks[0]) + 3 in out.selected[1].tolist()
 
 
@@ -121,3 +121,8 @@ def test_kv_deviation_is_zero_for_identical_kv() -> None:
     k2 = k.clone()
     k2[:, 4] += 1
     assert int(fuse.kv_deviation(k2, v, k, v).argmax()) == 4
+
+
+def _fused_layout(m, prefix, caches, chunks, suffix) -> fuse.FuseLayout:  # type: ignore[no-untyped-def]
+    """prefix as an exact cache, then the chunk caches and their ids, then the suffix."""
+    return fuse.FuseLayout.of(fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix), [_t(c) for c in chunks])

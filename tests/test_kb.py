@@ -127,8 +127,8 @@ def test_groups_get_their_own_prefix_and_never_share_entries(kb) -> None:
     ids = list(support.ids)
     assert not any(ids[i : i + len(secret)] == secret for i in range(len(ids)))
     assert "margins" not in {s.name for s in support.segments} and "margins" in {s.name for s in leads.segments}
-    h_support = set(kb.engine.block_hashes(support.ids, support.salts))
-    h_leads = set(kb.engine.block_hashes(leads.ids, leads.salts))
+    h_support = set(kb.engine.cache.block_hashes(support.ids, support.salts))
+    h_leads = set(kb.engine.cache.block_hashes(leads.ids, leads.salts))
     assert not h_support & h_leads  # even the identical first blocks are keyed apart
     kb.build("leads")
     assert kb.cached_tokens(support) == 0  # nothing of leads' cache is a hit for support
@@ -146,10 +146,10 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     shared_blocks = first_private.start // 16
     assert kb.cached_tokens(b) == shared_blocks * 16  # the shared plan terms still hit, the rest never does
     assert kb.cached_tokens(a) == len(a.ids) // 16 * 16
-    ha, hb = kb.engine.block_hashes(a.ids, a.salts), kb.engine.block_hashes(b.ids, b.salts)
+    ha, hb = kb.engine.cache.block_hashes(a.ids, a.salts), kb.engine.cache.block_hashes(b.ids, b.salts)
     assert ha[:shared_blocks] == hb[:shared_blocks] and not set(ha[shared_blocks:]) & set(hb[shared_blocks:])
     chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
-    assert kb.engine.chunk_key(chunk, "tenant:a") != kb.engine.chunk_key(chunk, "tenant:b")
+    assert kb.engine.cache.chunk_key(chunk, "tenant:a") != kb.engine.cache.chunk_key(chunk, "tenant:b")
 
 
 def test_cost_arithmetic_matches_the_seed() -> None:

@@ -83,14 +83,15 @@ def run_deviation(engine: Engine, tok: Tokenizer, cases: Sequence[Case], ratios:
             prefix = fuse.prefill(model, torch.tensor(req.prefix)).cache
             caches = [fuse.precompute_chunk(model, engine.preamble, c) for c in req.chunks]
             ids = [torch.tensor(c) for c in req.chunks]
-            reused = fuse.reuse(model, prefix, caches, suffix).cache
+            layout = fuse.FuseLayout.of(prefix, caches, suffix, ids)
+            reused = fuse.reuse(model, layout).cache
             dev_reuse.append(attention_deviation(suffix_attention(model, reused, suffix), ref))
             span = slice(len(req.prefix), len(req.prefix) + sum(len(c) for c in req.chunks))
             kv_dev = [fuse.kv_deviation(full.k[i][:, span], full.v[i][:, span], reused.k[i][:, span],
                                         reused.v[i][:, span]) for i in range(cfg.num_layers)]
             for r in ratios:
-                hk = fuse.blend(model, prefix, caches, ids, suffix, r).cache
-                rd = fuse.blend(model, prefix, caches, ids, suffix, r, deviation=random_choice).cache
+                hk = fuse.blend(model, layout, r).cache
+                rd = fuse.blend(model, layout, r, deviation=random_choice).cache
                 dev_hkvd[r].append(attention_deviation(suffix_attention(model, hk, suffix), ref))
                 dev_rand[r].append(attention_deviation(suffix_attention(model, rd, suffix), ref))
                 overlaps[r].append(top_overlap(kv_dev, r))
@@ -119,9 +120,9 @@ def run_deviation(engine: Engine, tok: Tokenizer, cases: Sequence[Case], ratios:
 
 
 def _plots(result: dict[str, Any], out: Path) -> list[str]:
-    from kvfuse.eval.report import _plt
+    from kvfuse.eval.report import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     ratios = result["ratios"]
     dev = result["attention_deviation"]
     fig, ax = plt.subplots(figsize=(6, 4))

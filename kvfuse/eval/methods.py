@@ -1,6 +1,8 @@
 """Evaluation methods: a small registry of named ways to answer one case.
 
-A method spec is `name` or `name@arg` (blend@0.15, blend@auto, legolink@16). Every method answers from
+A method spec is `name` or `name@arg` (blend@0.15, blend@auto, legolink@16). Every fuser that reads
+chunk caches (`fuse.FUSERS`) is a method of the same name, its `@arg` parsed by the fuser itself; full,
+prefix and the multi-call baselines (mapreduce, maprerank) are this module's own. Every method answers from
 the same retrieved chunks, reports the TTFT of its final answer, and teacher-forces full's greedy answer
 on its own final prompt cache so fidelity is measured token by token. Built-ins register the same way an
 extension would: `@register("name")` on a factory taking the spec's argument.
@@ -14,8 +16,10 @@ from typing import Protocol
 
 import torch
 
-from kvfuse.engine import Engine, Generation, Request, parse_ratio
+from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
+from kvfuse.fuse import FUSERS, Fuser
+from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_text
 
@@ -91,9 +95,9 @@ def _no_arg(name: str, arg: str | None) -> None:
         raise ValueError(f"method {name!r} takes no @argument, got {name}@{arg}")
 
 
-def _answer(run: CaseRun, req: Request, mode: str, ratio: float | str | None = None, head_tokens: int = 16,
-            score: bool = True, record: bool = False) -> tuple[str, Generation]:
-    stream = run.engine.stream(req, mode, ratio, run.params, head_tokens=head_tokens,
+def _answer(run: CaseRun, req: Request, mode: Mode, ratio: Ratio = None, score: bool = True,
+            record: bool = False) -> tuple[str, Generation]:
+    stream = run.engine.stream(req, mode, ratio, run.params,
                                score=run.reference if score and run.reference else None, record_logits=record)
     text = complete_text(stream, run.tok).strip()
     assert stream.result is not None
@@ -136,22 +140,17 @@ class PrefixCaching:
 
 @dataclass(slots=True)
 class ChunkReuse:
-    """reuse, blend@R, blend@auto and legolink@K: chunk caches precomputed and stored, then fused."""
+    """A fuser that reads chunk caches (reuse, blend@R, blend@auto, legolink@K, ...): the caches are
+    precomputed and stored, then fused."""
 
-    mode: str
-    ratio: float | str | None = None
-    head_tokens: int = 16
+    fuser: Fuser
+    ratio: Ratio = None
     name: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            arg = {"blend": self.ratio, "legolink": self.head_tokens}.get(self.mode)
-            self.name = self.mode if arg is None else f"{self.mode}@{arg}"
 
     def run(self, run: CaseRun) -> Outcome:
         req = run.prompt().request(run.tok)
-        run.engine.precompute(req, self.mode)  # stored before the timed request, as in the paper
-        text, g = _answer(run, req, self.mode, self.ratio, self.head_tokens)
+        run.engine.precompute(req, self.fuser)  # stored before the timed request, as in the paper
+        text, g = _answer(run, req, self.fuser, self.ratio)
         recomputed, computed = _fractions(g)
         extra: dict[str, object] = {}
         if g.ratio is not None:
@@ -216,27 +215,6 @@ class MapRerank:
         return Outcome(text, spent, scored, g.tokens, 0.0, 1.0, {"score": best[0]})
 
 
-def _ratio_arg(arg: str | None) -> float | str:
-    if arg is None:
-        raise ValueError("blend needs a ratio: blend@0.15 or blend@auto")
-    try:
-        return parse_ratio(arg)
-    except ValueError as e:
-        raise ValueError(f"blend@{arg}: {e}") from None
-
-
-def _int_arg(name: str, arg: str | None, default: int) -> int:
-    if arg is None:
-        return default
-    try:
-        k = int(arg)
-    except ValueError:
-        raise ValueError(f"{name}@{arg}: expected a whole number of tokens") from None
-    if k < 0:
-        raise ValueError(f"{name}@{arg}: must be >= 0")
-    return k
-
-
 def _full(arg: str | None) -> Method:
     _no_arg("full", arg)
     return Full()
@@ -245,11 +223,6 @@ def _full(arg: str | None) -> Method:
 def _prefix(arg: str | None) -> Method:
     _no_arg("prefix", arg)
     return PrefixCaching()
-
-
-def _reuse(arg: str | None) -> Method:
-    _no_arg("reuse", arg)
-    return ChunkReuse("reuse")
 
 
 def _mapreduce(arg: str | None) -> Method:
@@ -262,10 +235,18 @@ def _maprerank(arg: str | None) -> Method:
     return MapRerank()
 
 
+def _fusing(name: str) -> Factory:
+    def make(arg: str | None) -> Method:
+        fuser, ratio = FUSERS[name].from_arg(arg)
+        return ChunkReuse(fuser, ratio, name if arg is None else f"{name}@{arg}")
+
+    return make
+
+
 register("full")(_full)
 register("prefix")(_prefix)
-register("reuse")(_reuse)
-register("blend")(lambda arg: ChunkReuse("blend", _ratio_arg(arg)))
-register("legolink")(lambda arg: ChunkReuse("legolink", head_tokens=_int_arg("legolink", arg, 16)))
+for _name, _cls in FUSERS.items():
+    if _cls.reads == "chunks":
+        register(_name)(_fusing(_name))
 register("mapreduce")(_mapreduce)
 register("maprerank")(_maprerank)

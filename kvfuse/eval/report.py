@@ -37,7 +37,7 @@ def report_md(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +48,7 @@ def _plt() -> Any:
 
 def quality_vs_ttft(results: dict[str, Any], path: Path) -> Path:
     """Each method as a point: TTFT median against gold F1 (left) and token agreement with full (right)."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     quality = "rouge_l" if _summaries(results) else "f1"
     for name, m in results["methods"].items():
@@ -91,7 +91,7 @@ def ratio_sensitivity(results: dict[str, Any], path: Path) -> Path | None:
     points = blend_ratios(results)
     if len(points) < 2:
         return None
-    plt = _plt()
+    plt = pyplot()
     r = [p[0] for p in points]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(r, [p[1]["first_token_agreement"] for p in points], "o-", label="first-token agreement")

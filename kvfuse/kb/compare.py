@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuse.engine import Request
 from kvfuse.eval.metrics import best_f1, contains_gold
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
-from kvfuse.kb.prefix import header_text, question_text, section_text
+from kvfuse.kb.prefix import header_text
 from kvfuse.rag.index import Index, SourceDoc
+from kvfuse.request import Request
 from kvfuse.sampling import SamplingParams
-from kvfuse.text import complete_text
+from kvfuse.text.deltas import complete_text
+from kvfuse.text.layout import bos, question_text, section_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +120,7 @@ def run_compare(kb: KnowledgeBase, questions: Sequence[Question], methods: Seque
                 else:
                     assert index is not None
                     hits = index.search(q.question, k, kind.removeprefix("rag-"), group)
-                    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(header_text(kb.manifest))
+                    ids = bos(tok) + tok.encode(header_text(kb.manifest))
                     for h in hits:
                         ids += tok.encode(section_text(h.chunk.title, h.chunk.doc_id, h.chunk.text))
                     retrieved = sorted({h.chunk.doc_id for h in hits})
@@ -166,9 +167,9 @@ def compare_table(res: dict[str, Any]) -> str:
 
 
 def compare_chart(res: dict[str, Any], path: Path) -> Path:
-    from kvfuse.eval.report import _plt
+    from kvfuse.eval.report import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     names = list(res["methods"])
     m = res["methods"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

@@ -56,6 +56,10 @@ class Manifest:
     def groups(self) -> tuple[str, ...]:
         return tuple(sorted({g for d in self.documents for g in d.groups}))
 
+    def default_group(self) -> str:
+        """Least privilege: the group that may read the fewest documents."""
+        return min(self.groups, key=lambda g: (len(self.readable(g)), g))
+
     def readable(self, group: str) -> list[Document]:
         """The documents a group may read, in prefix order: by (stability, id)."""
         if group not in self.groups:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvfuse.kb.manifest import Document, Manifest
-from kvfuse.store.keys import Salt
+from kvfuse.request import Salt, SaltSpan
+from kvfuse.text.layout import bos, kb_header_text, question_text, section_text
 
 
 class TextEncoder(Protocol):
@@ -45,7 +46,7 @@ class PrefixPlan:
     tenant: str | None
     ids: tuple[int, ...]
     segments: tuple[Segment, ...]
-    salts: tuple[Salt, ...]
+    salts: tuple[SaltSpan, ...]
     documents: tuple[Document, ...]
 
     @property
@@ -61,25 +62,19 @@ class PrefixPlan:
 
 
 def header_text(m: Manifest) -> str:
-    return f"Knowledge base: {m.name}\n\nInstructions:\n{m.instructions}\n\n"
-
-
-def section_text(title: str, doc_id: str, text: str) -> str:
-    """One document (or a retrieved piece of one) as it appears in a prompt."""
-    return f"=== {title} [doc:{doc_id}] ===\n{text}\n\n"
+    return kb_header_text(m.name, m.instructions)
 
 
 def document_text(d: Document) -> str:
     return section_text(d.title, d.id, d.text)
 
 
-def question_text(question: str) -> str:
-    return f"Question: {' '.join(question.split())}\nAnswer:"
+__all__ = ["PrefixPlan", "Segment", "TextEncoder", "document_text", "header_text", "plan_prefix", "question_text"]
 
 
 def plan_prefix(m: Manifest, tok: TextEncoder, group: str, tenant: str | None = None) -> PrefixPlan:
     docs = m.readable(group)
-    ids: list[int] = [tok.bos_id] if tok.bos_id is not None else []
+    ids: list[int] = bos(tok)
     segments = []
     for name, text, shared in [("instructions", header_text(m), True)] + [
         (d.id, document_text(d), d.shared) for d in docs
@@ -87,7 +82,7 @@ def plan_prefix(m: Manifest, tok: TextEncoder, group: str, tenant: str | None = 
         start = len(ids)
         ids += tok.encode(text)
         segments.append(Segment(name, 0 if name == "instructions" else start, len(ids), shared))
-    salts = [Salt(0, len(ids), f"kb:{m.name}/group:{group}")]
+    salts = [SaltSpan(0, len(ids), Salt(kb=m.name, group=group))]
     if tenant:
-        salts += [Salt(s.start, s.end, f"tenant:{tenant}") for s in segments if not s.shared]
+        salts += [SaltSpan(s.start, s.end, Salt(tenant=tenant)) for s in segments if not s.shared]
     return PrefixPlan(m.name, group, tenant, tuple(ids), tuple(segments), tuple(salts), tuple(docs))

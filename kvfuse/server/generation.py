@@ -1,44 +1,24 @@
-"""A planned completion on the worker: build the kb prefix if needed, prefill, then one token per
-decoding step (shared with the other running requests), text deltas with stop strings, citations
-and metrics at the end."""
+"""A planned completion on the worker: prefill, then one token per decoding step (shared with the other
+running requests), text deltas with stop strings, and at the end citations, usage and metrics through
+the knowledge base's answer pipeline (`kb.answer`), the same code as `kvfuse ask`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvfuse.engine import Decoding, Generation
-from kvfuse.engine import Request as EngineRequest
-from kvfuse.kb.base import KnowledgeBase
-from kvfuse.kb.prefix import PrefixPlan
-from kvfuse.kb.quotes import Citation, find_quote, usable
-from kvfuse.sampling import SamplingParams
-from kvfuse.server.schemas import KvfuseOptions
-from kvfuse.text import TextDeltas
-
-if TYPE_CHECKING:
-    from kvfuse.server.app import ServerState
+from kvfuse.decode import Decoding
+from kvfuse.kb import answer
+from kvfuse.kb.quotes import Citation
+from kvfuse.request import Generation
+from kvfuse.server.planning import Planned
+from kvfuse.server.state import ServerState
+from kvfuse.text.deltas import TextDeltas
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Planned:
-    request: EngineRequest
-    mode: str
-    ratio: float | str | None
-    params: SamplingParams
-    stops: list[str]
-    kb: KnowledgeBase | None
-    group: str | None
-    tenant: str | None
-    opts: KvfuseOptions
-    question: str
-    plan_tokens: int = 0  # how much of the request's prefix is the knowledge base's (0: none)
 
 
 @dataclass
@@ -48,33 +28,43 @@ class Outcome:
     finish_reason: str
     citations: list[Citation]
     cancelled: bool
+    answer: answer.Answer | None = None  # knowledge-base requests: the pipeline's accounting
     built_tokens: int = 0  # knowledge-base prefix tokens computed for this request (cold cache)
     build_s: float = 0.0
 
+    @property
+    def cached(self) -> int:
+        """Prompt tokens read from the cache (a prefix built for this request was computed, not cached)."""
+        return self.answer.tokens["cached"] if self.answer else max(0, self.result.counts.cached - self.built_tokens)
+
+    def usage(self) -> dict[str, Any]:
+        c, n = self.result.counts, len(self.result.tokens)
+        return {"prompt_tokens": c.prompt, "completion_tokens": n, "total_tokens": c.prompt + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+    def kvfuse(self, p: Planned) -> dict[str, Any]:
+        r, c = self.result, self.result.counts
+        return {"ttft_s": round(r.ttft_s + self.build_s, 6), "mode": p.mode, "ratio": r.ratio,
+                "recomputed_tokens": c.recomputed, "kb_build_s": round(self.build_s, 6),
+                "cached_token_share": round(self.cached / c.prompt, 4) if c.prompt else 0.0,
+                "controller": r.controller.as_dict() if r.controller is not None else None,
+                "citations": [x.as_dict() for x in self.citations], "kb": p.kb.name if p.kb else None,
+                "group": p.prep.plan.group if p.prep else None}
+
 
 class Generating:
-    """One completion as a worker `Stepper`: made on the worker thread (kb build, prefill, first token),
-    then `stepped()` after every decoding step, then `finish()`."""
+    """One completion as a worker `Stepper`: made on the worker thread (prefill, first token), then
+    `stepped()` after every decoding step, then `finish()`. A knowledge-base request is prepared again
+    if the knowledge base changed since it was planned (edits are barrier jobs, so it cannot change
+    while the request runs); its cold build already ran as a barrier job before it started."""
 
     def __init__(self, state: ServerState, p: Planned, cancel: threading.Event, emit: Any, streaming: bool) -> None:
         self.state, self.cancel, self.emit, self.streaming = state, cancel, emit, streaming
-        self.built, self.build_s = 0, 0.0
         if cancel.is_set():
             raise asyncio.CancelledError()
-        kb, group = p.kb, p.group
-        self.plan: PrefixPlan | None = None  # the knowledge base as this request reads it (citations, usage)
-        if kb is not None and group is not None:
-            plan = kb.plan(group, p.tenant)
-            req = p.request
-            if plan.ids != req.prefix[: p.plan_tokens]:  # the knowledge base was edited after this request was planned
-                tenant = [s for s in req.salts if s.key.startswith("tenant:") and s.end > len(req.prefix)]
-                moved = [replace(s, start=len(plan.ids)) for s in tenant]
-                req = replace(req, prefix=plan.ids + req.prefix[p.plan_tokens :], salts=plan.salts + tuple(moved))
-                p = replace(p, request=req, plan_tokens=len(plan.ids))
-            report = kb.ensure_built(group, p.tenant)
-            if report is not None:
-                self.built, self.build_s = report.tokens_recomputed, report.build_s
-            self.plan = plan
+        if p.kb is not None and p.prep is not None:
+            prep = answer.refresh(p.kb, p.prep)
+            p = replace(p, prep=prep, request=prep.request)
         self.p = p
         self.deltas = TextDeltas(state.tok, p.stops)
         self.pieces: list[str] = []
@@ -106,36 +96,24 @@ class Generating:
         """Close the generation, release any held-back text, then cite and count."""
         result = self.decoding.close()
         cancelled = self.cancel.is_set()
-        p, state = self.p, self.state
+        p = self.p
         if not cancelled:
             self._out(self.deltas.flush())
         text = "".join(self.pieces)
-        stopped_by_string = self.deltas.stopped
         citations: list[Citation] = []
-        if self.plan is not None and not cancelled:
-            try:
-                citations = _citations(p, self.plan, text)
-            except Exception:  # a failed citation must not cost the answer
-                log.exception("citations failed")
+        done: answer.Answer | None = None
+        if p.kb is not None and p.prep is not None:
+            if not cancelled:
+                try:
+                    citations = answer.cite(p.kb, p.prep, text, ask_model=p.opts.quote)
+                except Exception:  # a failed citation must not cost the answer
+                    log.exception("citations failed")
+            done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built)
+        out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s)
         c = result.counts
-        cached = max(0, c.cached - self.built)
-        state.metrics.observe(result.ttft_s + self.build_s, c.prompt, cached, c.recomputed, len(result.tokens))
-        if p.kb is not None and self.plan is not None:
-            p.kb._add_usage(self.plan, c.prompt, cached)
-        hit_limit = len(result.tokens) >= p.params.max_tokens and result.finish_reason == "length"
-        finish = "length" if hit_limit and not stopped_by_string else "stop"
-        return Outcome(text, result, finish, citations, cancelled, self.built, self.build_s)
+        self.state.metrics.observe(result.ttft_s + p.build_s, c.prompt, out.cached, c.recomputed, len(result.tokens))
+        return out
 
-
-def _citations(p: Planned, plan: PrefixPlan, text: str) -> list[Citation]:
-    """Quotes inside the answer, verified; else a supporting passage found by retrieval (labelled so)."""
-    assert p.kb is not None and p.group is not None
-    if p.opts.quote:
-        prep = p.kb.prepare(p.question, p.group, p.tenant)
-        return p.kb.cite(p.question, text.strip(), prep)
-    quoted = [q for q in re.findall(r"[\"“]([^\"”]+)[\"”]", text) if usable(q)]
-    found = [find_quote(q, plan.documents) for q in quoted]
-    if any(c.verified for c in found):
-        return found
-    support = p.kb.supporting_passage(f"{p.question} {text}", plan.documents)
-    return found + ([support] if support is not None else [])
+    def _finish_reason(self, result: Generation) -> str:
+        hit_limit = len(result.tokens) >= self.p.params.max_tokens and result.finish_reason == "length"
+        return "length" if hit_limit and not self.deltas.stopped else "stop"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MODES = ("full", "prefix", "reuse", "blend", "legolink")
+from kvfuse.fuse.registry import modes
+
 MAX_CHARS = 400_000  # per text field: far past any model window, but bounded before tokenising
 
 
@@ -17,10 +18,16 @@ class InputDocument(BaseModel):
     text: str = Field(min_length=1, max_length=MAX_CHARS)
 
 
+if TYPE_CHECKING:
+    ModeName = str
+else:
+    ModeName = Literal[modes()]  # the registered fusers, read when the schema is built
+
+
 class KvfuseOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["full", "prefix", "reuse", "blend", "legolink"] | None = None
+    mode: ModeName | None = None  # a registered fuser (kvfuse.fuse.FUSERS)
     ratio: float | Literal["auto"] | None = None
     group: str | None = None  # which of the caller's groups reads the knowledge base
     quote: bool = False  # ask the model for a verbatim quote and verify it (a second, cached request)

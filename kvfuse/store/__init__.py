@@ -2,30 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvfuse.store.base import TIERS, CorruptEntryError, Tier, TierSettings, register_tier
 from kvfuse.store.disk import DiskTier
 from kvfuse.store.keys import BlockHash, CacheKey, ChunkKey, chunk_key, hash_block_tokens, prefix_block_hashes
 from kvfuse.store.memory import MemoryTier
-from kvfuse.store.tiered import StoreStats, Tier, TieredStore
+from kvfuse.store.tiered import Opened, StoreStats, TieredStore
 
-DEFAULT_MEMORY_BYTES = 4 << 30
-DEFAULT_DISK_BYTES = 20 << 30
+DEFAULT_TIERS = ("memory", "disk")
+DEFAULT_CAPACITY = {"memory": 4 << 30, "disk": 20 << 30}
 
 
 def open_store(
     root: str | Path | None,
     model_fp: str | None,
-    memory_bytes: int = DEFAULT_MEMORY_BYTES,
-    disk_bytes: int = DEFAULT_DISK_BYTES,
+    tiers: Sequence[str] = DEFAULT_TIERS,
+    capacity: Mapping[str, int] | None = None,
 ) -> TieredStore:
-    """A memory tier, over a disk tier at root when one is given."""
-    disk = DiskTier(root, disk_bytes, model_fp) if root is not None else None
-    return TieredStore(MemoryTier(memory_bytes), disk)
+    """The named tiers, in order, from the TIERS registry; a tier that needs a directory is left out
+    when root is None (memory only)."""
+    caps = {**DEFAULT_CAPACITY, **(capacity or {})}
+    built = []
+    for name in tiers:
+        if name not in TIERS:
+            raise ValueError(f"unknown store tier {name!r}; known: {', '.join(sorted(TIERS))}")
+        tier = TIERS[name](TierSettings(caps.get(name, DEFAULT_CAPACITY["disk"]),
+                                        Path(root) if root is not None else None, model_fp))
+        if tier is not None:
+            built.append(tier)
+    return TieredStore(built)
 
 
 __all__ = [
+    "TIERS",
     "BlockHash",
+    "CorruptEntryError",
+    "Opened",
+    "TierSettings",
+    "register_tier",
     "CacheKey",
     "ChunkKey",
     "DiskTier",

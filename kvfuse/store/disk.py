@@ -29,20 +29,12 @@ from typing import cast
 import torch
 
 from kvfuse.kv import KVCache
+from kvfuse.store.base import CorruptEntryError, TierSettings, TierStats, register_tier
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
 from kvfuse.store.lru import LruIndex
-from kvfuse.store.memory import TierStats
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
-
-
-class CorruptEntryError(Exception):
-    """A stored entry failed verification; `key` says which, when it is known."""
-
-    def __init__(self, message: str, key: CacheKey | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +304,10 @@ class DiskEntry:
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer i, (kv_heads, T, head_dim) each, checksum-verified, as views of the file."""
         k, v = self._k[i], self._v[i]
@@ -344,3 +340,8 @@ def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
             flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0)
             out[name] = flat.to(dtype).view(spec["shape"])
     return out
+
+
+@register_tier("disk")
+def _disk(settings: TierSettings) -> DiskTier | None:
+    return DiskTier(settings.root, settings.capacity_bytes, settings.model_fp) if settings.root is not None else None

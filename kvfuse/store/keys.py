@@ -50,22 +50,22 @@ def hash_block_tokens(parent: BlockHash, tokens: Sequence[int], extra_keys: Sequ
 
 
 @dataclass(frozen=True, slots=True)
-class Salt:
-    """An extra key for the prefix blocks that overlap tokens [start, end): a tenant, a group, a version."""
+class SaltRange:
+    """An extra key for the prefix blocks that overlap tokens [start, end) (`request.Salt.key` renders it)."""
 
     start: int
     end: int
     key: str
 
 
-def block_extra_keys(salts: Sequence[Salt], start: int, end: int) -> list[str]:
+def block_extra_keys(salts: Sequence[SaltRange], start: int, end: int) -> list[str]:
     """The keys of the salts overlapping [start, end), sorted and without repeats."""
     return sorted({s.key for s in salts if s.start < end and start < s.end})
 
 
 def prefix_block_hashes(
     root: BlockHash, tokens: Sequence[int], block_size: int, extra_keys: Sequence[str] = (),
-    salts: Sequence[Salt] = (),
+    salts: Sequence[SaltRange] = (),
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of tokens (a trailing partial block is not cacheable).
 

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 from kvfuse.kv import KVCache
+from kvfuse.store.base import TierSettings, TierStats, register_tier
 from kvfuse.store.keys import CacheKey
 from kvfuse.store.lru import LruIndex
-
-
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
 
 
 class MemoryTier:
@@ -27,6 +20,7 @@ class MemoryTier:
         self._index: LruIndex[KVCache] = LruIndex(capacity_bytes)
         self._lock = threading.Lock()
         self.stats = TierStats()
+        self.corrupt = 0  # entries in memory are never verified, so none are ever dropped as corrupt
 
     @property
     def capacity_bytes(self) -> int:
@@ -55,6 +49,10 @@ class MemoryTier:
             self.stats.hits += 1
             return cache
 
+    def open(self, key: CacheKey) -> KVCache | None:
+        """An entry in memory is read as it is."""
+        return self.get(key)
+
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
         """Insert (or refresh) an entry; returns False if it cannot fit even after eviction."""
         with self._lock:
@@ -75,3 +73,13 @@ class MemoryTier:
     def unpin(self, key: CacheKey) -> None:
         with self._lock:
             self.stats.evictions += len(self._index.unpin(key))
+
+    def drop_corrupt(self, key: CacheKey, why: str) -> None:
+        """Forget an entry that failed verification in another tier (its copy here came from there)."""
+        with self._lock:
+            self._index.pop(key)
+
+
+@register_tier("memory")
+def _memory(settings: TierSettings) -> MemoryTier:
+    return MemoryTier(settings.capacity_bytes)

@@ -1,38 +1,25 @@
-"""The store the engine talks to: memory first, then disk, with write-back to disk in the background."""
+"""The store the engine talks to: an ordered list of tiers, fastest first, with background write-back.
+
+Lookups go through the tiers in order; a hit in a later tier is promoted into the first one. New
+entries go into the first tier at once and into every later tier from one background thread, in
+order; `flush()` waits for those writes. Eviction is each tier's own (LRU, pinned entries never).
+"""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, cast
 
 from kvfuse.kv import KVCache
-from kvfuse.loader import LayerSource
+from kvfuse.loader import LayerKV, LayerSource
+from kvfuse.store.base import Tier
 from kvfuse.store.keys import CacheKey
-from kvfuse.store.memory import MemoryTier, TierStats
+from kvfuse.store.memory import MemoryTier
 
 log = logging.getLogger(__name__)
-
-
-class Tier(Protocol):
-    """What a storage tier offers (memory and disk here; a shared Redis tier would add itself the same way)."""
-
-    name: str
-    stats: TierStats
-
-    @property
-    def capacity_bytes(self) -> int: ...
-
-    def __contains__(self, key: CacheKey) -> bool: ...
-    def get(self, key: CacheKey) -> KVCache | None: ...
-    def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool: ...
-    def pin(self, key: CacheKey) -> None: ...
-    def unpin(self, key: CacheKey) -> None: ...
-
-    @property
-    def used_bytes(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -70,67 +57,73 @@ class StoreStats:
         }
 
 
-class TieredStore:
-    """Lookups go memory, then disk (a disk hit is promoted to memory). New entries go to memory at
-    once and are written back to disk by a background thread; `flush()` waits for the writes."""
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """An entry opened for per-layer reads, and the tier it came from. `promote` is set when it came
+    from a later tier: the layers read should then be put into the first tier."""
 
-    def __init__(self, memory: MemoryTier | None = None, disk: Tier | None = None) -> None:
-        self.memory = memory if memory is not None else MemoryTier()
-        self.disk = disk
+    source: LayerSource
+    tier: str
+    promote: bool
+
+
+class TieredStore:
+    """Tiers in order, fastest first (default: one memory tier). See the module docstring."""
+
+    def __init__(self, tiers: Sequence[Tier] | None = None) -> None:
+        self.tiers: list[Tier] = list(tiers) if tiers else [MemoryTier()]
         self.stats = StoreStats()
         self._queue: queue.Queue[tuple[CacheKey, KVCache, bool] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    @property
-    def tiers(self) -> list[Tier]:
-        return [self.memory] + ([self.disk] if self.disk is not None else [])
+    def tier(self, name: str) -> Tier | None:
+        """The tier of that name, if the store has one."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     def __contains__(self, key: CacheKey) -> bool:
         return any(key in t for t in self.tiers)
 
     def get(self, key: CacheKey) -> KVCache | None:
-        cache = self.memory.get(key)
-        if cache is not None:
-            self._hit("memory", 0)
-            return cache
-        if self.disk is not None:
-            corrupt_before = getattr(self.disk, "corrupt", 0)
-            cache = self.disk.get(key)
-            self.stats.corrupt += getattr(self.disk, "corrupt", 0) - corrupt_before
+        """The whole entry from the first tier that has it (promoted into the first tier)."""
+        for i, t in enumerate(self.tiers):
+            before = t.corrupt
+            cache = t.get(key)
+            self.stats.corrupt += t.corrupt - before
             if cache is not None:
-                self._hit("disk", cache.nbytes)
-                self.memory.put(key, cache)
+                self._hit(t.name, cache.nbytes if i else 0)
+                if i:
+                    self.tiers[0].put(key, cache)
                 return cache
         self.stats.misses += 1
         return None
 
-    def open(self, key: CacheKey) -> LayerSource | None:
-        """An entry for per-layer reads: a memory hit as it is, a disk hit opened lazily (its layers are
-        read, and verified, when the loader asks for them)."""
-        cache = self.memory.get(key)
-        if cache is not None:
-            self._hit("memory", 0)
-            return cache
-        opener = getattr(self.disk, "open", None)
-        if opener is not None:
-            corrupt_before = getattr(self.disk, "corrupt", 0)
-            entry = opener(key)
-            self.stats.corrupt += getattr(self.disk, "corrupt", 0) - corrupt_before
-            if entry is not None:
-                self._hit("disk", entry.info.nbytes)
-                return cast(LayerSource, entry)
-        elif self.disk is not None:
-            return self.get(key)
+    def open(self, key: CacheKey) -> Opened | None:
+        """The entry for per-layer reads from the first tier that has it; a later tier's entry is read
+        (and verified) layer by layer as the loader asks."""
+        for i, t in enumerate(self.tiers):
+            before = t.corrupt
+            source = t.open(key)
+            self.stats.corrupt += t.corrupt - before
+            if source is not None:
+                self._hit(t.name, source.nbytes if i else 0)
+                return Opened(source, t.name, i > 0)
         self.stats.misses += 1
         return None
 
+    def promote(self, key: CacheKey, layers: LayerKV, positions: object) -> None:
+        """Put the layers read from a later tier into the first one."""
+        import torch
+
+        k, v = torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+        assert isinstance(positions, torch.Tensor)
+        self.tiers[0].put(key, KVCache(k, v, positions))
+
     def drop_corrupt(self, key: CacheKey, why: str) -> None:
-        """An entry failed verification while being read: forget it everywhere."""
+        """An entry failed verification while being read: forget it in every tier."""
         self.stats.corrupt += 1
-        drop = getattr(self.disk, "drop_corrupt", None)
-        if drop is not None:
-            drop(key, why)
+        for t in self.tiers:
+            t.drop_corrupt(key, why)
 
     def _hit(self, tier: str, nbytes: int) -> None:
         self.stats.hits += 1
@@ -138,8 +131,8 @@ class TieredStore:
         self.stats.tier_hits[tier] = self.stats.tier_hits.get(tier, 0) + 1
 
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
-        stored = self.memory.put(key, cache, pin)
-        if self.disk is not None and key not in self.disk:
+        stored = self.tiers[0].put(key, cache, pin)
+        if any(key not in t for t in self.tiers[1:]):
             self._start_writer()
             self._queue.put((key, cache, pin))
         return stored
@@ -153,7 +146,7 @@ class TieredStore:
             t.unpin(key)
 
     def flush(self) -> None:
-        """Wait until every queued disk write has finished."""
+        """Wait until every queued write-back has finished."""
         self._queue.join()
 
     def close(self) -> None:
@@ -169,15 +162,16 @@ class TieredStore:
                 self._writer.start()
 
     def _write_loop(self) -> None:
-        assert self.disk is not None
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
                 key, cache, pin = item
-                self.disk.put(key, cache, pin)
+                for t in self.tiers[1:]:
+                    if key not in t:
+                        t.put(key, cache, pin)
             except Exception:  # a failed write-back must never take requests down
-                log.exception("write-back to the disk tier failed")
+                log.exception("write-back to a store tier failed")
             finally:
                 self._queue.task_done()

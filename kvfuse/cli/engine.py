@@ -1,135 +1,72 @@
-"""The `kvfuse` command line. Thin: it parses flags and calls the library."""
+"""`kvfuse generate`, `precompute`, `profile`, `store` and `demo`: the engine's own commands."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15), or auto (the loading controller)"
+from kvfuse.cli.args import RATIO_HELP, fail, model_flag, ratio, read, store_flag, store_flags
+from kvfuse.runtime import DEFAULT_FLOOR, attach_controller, open_engine, store_dir
 
 
-def _ratio(value: str) -> float | str:
-    from kvfuse.engine import parse_ratio
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvfuse.fuse import modes
 
-    try:
-        return parse_ratio(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--ratio: {e}") from None
-
-
-def _read(path: str, flag: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise SystemExit(f"kvfuse: cannot read {flag} {path}: {e.strerror}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfuse", description="Answer questions over knowledge with almost no prefill.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="answer a question over a prefix and chunks in one of four modes")
-    g.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M, converted once)")
+    g = sub.add_parser("generate", help="answer a question over a prefix and chunks in one of the modes")
+    model_flag(g)
     g.add_argument("--prefix-file", help="text placed after the instruction head, cached as a prefix")
     g.add_argument("--chunk-file", action="append", default=[], help="a chunk's text file (repeatable, in order)")
     g.add_argument("--question", required=True, help="the question (the never-cached suffix)")
-    g.add_argument("--mode", choices=["full", "prefix", "reuse", "blend", "legolink"], default="blend")
-    g.add_argument("--ratio", type=_ratio, default=None, help=RATIO_HELP)
+    g.add_argument("--mode", choices=list(modes()), default="blend")
+    g.add_argument("--ratio", type=ratio, default=None, help=RATIO_HELP)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: newline)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--floor", type=float, default=0.15, help="the controller's quality floor for --ratio auto")
-    _store_flags(g)
+    g.add_argument("--floor", type=float, default=DEFAULT_FLOOR, help="the controller's quality floor for --ratio auto")
+    store_flags(g)
+    g.set_defaults(func=cmd_generate)
 
     pc = sub.add_parser("precompute", help="compute chunk caches into the store ahead of time")
-    pc.add_argument("--model", default=None)
+    model_flag(pc)
     pc.add_argument("--chunk-file", action="append", required=True, help="a chunk's text file (repeatable)")
-    _store_flags(pc)
+    store_flags(pc)
+    pc.set_defaults(func=cmd_precompute)
 
     pr = sub.add_parser("profile", help="measure (once) prefill and tier costs for the loading controller")
-    pr.add_argument("--model", default=None)
+    model_flag(pr)
     pr.add_argument("--json", action="store_true", help="print one JSON object")
     pr.add_argument("--refresh", action="store_true", help="measure again even if a profile is saved")
     pr.add_argument("--tokens", type=int, default=3400, help="request size the recommendation is for")
-    pr.add_argument("--floor", type=float, default=0.15, help="the quality floor of the recompute ratio")
+    pr.add_argument("--floor", type=float, default=DEFAULT_FLOOR, help="the quality floor of the recompute ratio")
     pr.add_argument("--cost", action="append", default=[], metavar="TIER=COST",
                     help="storage cost per GB of a tier (repeatable; defaults memory=4 disk=0.1)")
-    _store_flags(pr)
+    store_flags(pr)
+    pr.set_defaults(func=cmd_profile)
 
     st = sub.add_parser("store", help="inspect or manage a KV store directory")
     st.add_argument("action", choices=["stats", "verify", "clear"])
-    st.add_argument("--store", default=None, help="store directory (default: the user cache dir)")
-
-    from kvfuse.eval.cli import register as register_eval
-
-    register_eval(sub)
-    from kvfuse.kb.cli import register as register_kb
-
-    register_kb(sub)
-    from kvfuse.server.cli import register as register_serve
-
-    register_serve(sub)
+    store_flag(st)
+    st.set_defaults(func=cmd_store)
 
     d = sub.add_parser("demo", help="the Albarán demo: CAG from a persisted cache, then the hybrid with a ticket")
-    d.add_argument("--model", default=None)
-    d.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
-    return p
-
-
-def _store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
-    p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
-    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp32", help="dtype of stored KV caches")
-
-
-KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _store_dir(args: argparse.Namespace) -> Path | None:
-    from kvfuse.weights import cache_dir
-
-    if getattr(args, "no_store", False):
-        return None
-    return Path(args.store) if args.store else cache_dir() / "store"
-
-
-def _load_engine(args: argparse.Namespace) -> Any:
-    import torch
-
-    from kvfuse.engine import Engine
-
-    dtype = getattr(torch, KV_DTYPES[args.kv_dtype])
-    return Engine.load(args.model, store_dir=_store_dir(args), kv_dtype=dtype)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from kvfuse.config import CheckpointError, UnsupportedModelError
-
-    args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "demo": cmd_demo, "precompute": cmd_precompute, "store": cmd_store,
-                "profile": cmd_profile}
-    try:
-        return int(args.func(args)) if hasattr(args, "func") else commands[args.command](args)
-    except (CheckpointError, UnsupportedModelError) as e:  # a bad --model, for every command
-        raise SystemExit(f"kvfuse: {e}") from None
+    model_flag(d)
+    store_flag(d)
+    d.set_defaults(func=cmd_demo)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvfuse.engine import ModeUnavailableError, RequestError
+    from kvfuse.request import ModeUnavailableError, RequestError
     from kvfuse.sampling import SamplingParams
-    from kvfuse.text import DEFAULT_STOP, Prompt, Tokenizer, complete_text
-    from kvfuse.weights import resolve_model_path
+    from kvfuse.text import DEFAULT_STOP, Prompt, complete_text
 
     prompt = Prompt(
-        prefix_text=_read(args.prefix_file, "--prefix-file") if args.prefix_file else None,
-        chunks=tuple(_read(f, "--chunk-file") for f in args.chunk_file),
+        prefix_text=read(args.prefix_file, "--prefix-file") if args.prefix_file else None,
+        chunks=tuple(read(f, "--chunk-file") for f in args.chunk_file),
         question=args.question,
     )
     try:
@@ -137,17 +74,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
     except ValueError as e:
-        raise SystemExit(f"kvfuse: {e}") from None
-    engine = _load_engine(args)
-    attach_controller(engine, _store_dir(args), args.mode == "blend", args.floor, _costs(getattr(args, "cost", [])))
-    tok = Tokenizer(resolve_model_path(args.model))
+        raise fail(e) from None
+    where = store_dir(args.store, args.no_store)
+    rt = open_engine(args.model, where, args.kv_dtype)
+    engine, tok = rt.engine, rt.tok
+    attach_controller(engine, where, args.mode == "blend", args.floor)
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
         precompute_s = engine.precompute(req, args.mode)
         stream = engine.stream(req, args.mode, args.ratio, params)
         answer = complete_text(stream, tok, args.stop or DEFAULT_STOP).strip()
     except (RequestError, ModeUnavailableError) as e:
-        raise SystemExit(f"kvfuse: {e}") from None
+        raise fail(e) from None
     finally:
         engine.store.flush()  # written back to disk before the process ends
     result = stream.result
@@ -176,26 +114,25 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from kvfuse.text import Prompt, Tokenizer
-    from kvfuse.weights import resolve_model_path
+    from kvfuse.text import Prompt
 
-    texts = [_read(f, "--chunk-file") for f in args.chunk_file]
-    engine = _load_engine(args)
-    tok = Tokenizer(resolve_model_path(args.model))
-    req = Prompt(chunks=tuple(texts), question="-").request(tok)
+    texts = [read(f, "--chunk-file") for f in args.chunk_file]
+    where = store_dir(args.store, args.no_store)
+    rt = open_engine(args.model, where, args.kv_dtype)
+    req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     for chunk in tqdm(req.chunks, desc="precomputing chunk caches", unit="chunk"):
-        computed += int(not engine.chunk_cache(chunk)[1])
-    engine.store.flush()
+        computed += int(not rt.engine.cache.chunk_cache(chunk)[1])
+    rt.engine.store.flush()
     print(json.dumps({"chunks": len(req.chunks), "computed": computed, "already_cached": len(req.chunks) - computed,
-                      "seconds": round(time.perf_counter() - t0, 3), "store": str(_store_dir(args))}))
+                      "seconds": round(time.perf_counter() - t0, 3), "store": str(where)}))
     return 0
 
 
 def cmd_store(args: argparse.Namespace) -> int:
     from kvfuse.store import DiskTier
 
-    root = _store_dir(args)
+    root = store_dir(args.store)
     assert root is not None
     if not root.is_dir() and args.action != "clear":
         raise SystemExit(f"kvfuse: no store at {root}; pass --store DIR")
@@ -224,26 +161,17 @@ def _costs(pairs: list[str]) -> dict[str, float]:
     return out
 
 
-def attach_controller(engine: Any, store_dir: Path | None, measure: bool = True, floor: float = 0.15,
-                      costs: dict[str, float] | None = None) -> None:
-    """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
-    requests always get one, so their results say what the controller predicted)."""
-    from kvfuse.controller import Controller, load_or_profile, profile_path
-    from kvfuse.weights import cache_dir
-
-    if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
-        return
-    engine.controller = Controller(load_or_profile(engine, cache_dir(), store_dir, costs=costs), floor)
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvfuse.controller import Controller, load_or_profile
+    from kvfuse.control.policy import Controller
+    from kvfuse.control.profile import load_or_profile
     from kvfuse.weights import cache_dir
 
     if not 0.0 <= args.floor <= 1.0:
         raise SystemExit(f"kvfuse: --floor must be between 0 and 1, got {args.floor}")
-    engine = _load_engine(args)
-    prof = load_or_profile(engine, cache_dir(), _store_dir(args), refresh=args.refresh, costs=_costs(args.cost))
+    costs = _costs(args.cost)
+    where = store_dir(args.store, args.no_store)
+    engine = open_engine(args.model, where, args.kv_dtype).engine
+    prof = load_or_profile(engine, cache_dir(), where, refresh=args.refresh, costs=costs)
     ctl = Controller(prof, args.floor)
     out = {
         "kv_bytes_per_token": prof.kv_bytes_per_token,
@@ -264,7 +192,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvfuse.demo import run_demo
 
     return run_demo(args.model, args.store)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,30 +1,15 @@
-"""Building a request's KV cache: full prefill, prefix reuse, full KV reuse and CacheBlend.
+"""The layer loop every fuser runs: a request's KV cache built in one layer-by-layer pass.
 
-A request's prompt is  prefix | chunk_1 | ... | chunk_n | suffix.  Every builder returns a `Fused`:
-the KV cache of the whole prompt at positions 0..T-1 and the logits of its last token.
+A request's prompt is  prefix | prefix_tail | chunk_1 | ... | chunk_n | suffix  (a `FuseLayout`). Every
+builder returns a `Fused`: the KV cache of the whole prompt at positions 0..T-1 and the logits of its
+last token.
 
 - `prefill` is the naive path, and the oracle every other path is tested against.
-- `reuse` places precomputed chunk caches after the prefix, re-rotating their keys to the new
-  positions, and prefills only the suffix (PromptCache-style full KV reuse).
-- `blend` is CacheBlend: it starts from the `reuse` cache, recomputes every chunk token on layer 0
-  and, on later layers, only the tokens whose KV deviates most, chosen by gradual filtering.
-
-Deviation measure. For a candidate token t on layer l we compute its fresh K and V from its fresh
-hidden state and compare them with the reused (re-rotated) K and V:
-    dev(t) = |K_new - K_old|^2 / mean_t |K_old|^2  +  |V_new - V_old|^2 / mean_t |V_old|^2
-summed over kv heads. K and V are each normalised by their mean squared norm over the candidates
-so that neither dominates: with q/k-norm (Gemma, Qwen3) keys have a fixed scale while values do not.
-
-Filtering schedule. Layer 0 recomputes all chunk tokens. On layer l >= 1 the candidates are the
-tokens recomputed on layer l-1 (only they have a fresh hidden state, so only their deviation can be
-measured), and we keep the top fraction f_l = max(r, r ** (l / m)) of all chunk tokens, where r is
-the ratio and m (`filter_layers`, default 2) is the number of layers over which the set shrinks to r.
-The set only ever shrinks, so a token that keeps a high deviation over several layers is the one
-that ends up recomputed everywhere; that agreement is what makes the choice more robust than one
-layer's ranking (the seed's gradual filtering). m = 2 is cheap: on an 18-layer model at r = 0.15 the
-chunk tokens cost (1 + 0.39 + 16 * 0.15) / 18 = 21% of a full prefill. Candidates that drop out on
-layer l still get their fresh K and V written on layer l (they were computed to measure the
-deviation, and are closer to full than the reused ones); from layer l+1 on they use the reused KV.
+- `fuse_chunks` places precomputed chunk caches after the exact prefix, re-rotating their keys to the
+  new positions, computes the prefix tail and the suffix on every layer, and on layer l recomputes the
+  keep[l] chunk tokens that score highest (by default, by KV deviation) among the previous layer's.
+  The fusers in this package (reuse, blend, legolink) are choices of `keep`, the candidate set and
+  the score.
 
 Recomputed tokens attend to every earlier key, reused or fresh, under the exact per-position causal
 mask (and the sliding window of the layer), never a bottom-right-aligned approximation.
@@ -35,7 +20,6 @@ of the prompt's last token only: nothing else reads the other rows' outputs (abo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,9 +30,6 @@ from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate_into
-
-DEFAULT_RATIO = 0.15
-DEFAULT_FILTER_LAYERS = 2
 
 # (out, k, from_pos, to_pos, head_dim, spec): write keys k moved from from_pos to to_pos into out
 Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], None]
@@ -174,32 +155,6 @@ def _place_layer(
         at += n
 
 
-def reuse(
-    model: Decoder,
-    prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[LayerSource],
-    suffix: torch.Tensor,
-    prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate_into,
-    loader: LayerLoader | None = None,
-    room: int = 0,
-) -> Fused:
-    """Full KV reuse: prefix and re-rotated chunk caches as they are, then prefill only the suffix."""
-    keep = [0] * model.cfg.num_layers
-    return fuse_chunks(model, prefix, chunks, [], suffix, keep, prefix_tail, rotate, loader, room=room)
-
-
-def keep_schedule(num_layers: int, n: int, ratio: float, filter_layers: int = DEFAULT_FILTER_LAYERS) -> list[int]:
-    """How many of n chunk tokens each layer recomputes: all on layer 0, then shrinking to ratio * n."""
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
-    keep = [n]
-    for layer in range(1, num_layers):
-        frac = max(ratio, ratio ** min(1.0, layer / max(1, filter_layers))) if ratio > 0 else 0.0
-        keep.append(min(keep[-1], math.ceil(frac * n - 1e-9)))
-    return keep
-
-
 def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
     """Per-token KV deviation (T,) between fresh and reused K/V of shape (kv_heads, T, head_dim)."""
     def part(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -210,83 +165,70 @@ def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, 
     return part(k_new, k_old) + part(v_new, v_old)
 
 
-def blend(
-    model: Decoder,
-    prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[LayerSource],
-    chunk_ids: Sequence[torch.Tensor],
-    suffix: torch.Tensor,
-    ratio: float = DEFAULT_RATIO,
-    filter_layers: int = DEFAULT_FILTER_LAYERS,
-    prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate_into,
-    loader: LayerLoader | None = None,
-    deviation: Deviation | None = None,
-    room: int = 0,
-) -> Fused:
-    """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
-    n_c = sum(len(c) for c in chunks)
-    keep = keep_schedule(model.cfg.num_layers, n_c, ratio, filter_layers)
-    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader,
-                       deviation=deviation, room=room)
+@dataclass(frozen=True, slots=True)
+class FuseLayout:
+    """A request laid out for fusion:  prefix | prefix_tail | chunks | suffix.
 
+    prefix       an exact cache of the first tokens, possibly in pieces (stored prefix blocks)
+    prefix_tail  (P,) ids of the prefix's uncached end, computed on every layer
+    chunks       precomputed chunk caches, read one layer at a time
+    chunk_ids    (n_i,) ids of each chunk (needed only by fusers that recompute chunk tokens)
+    suffix       (S,) ids of the question, computed on every layer"""
 
-def legolink(
-    model: Decoder,
-    prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[LayerSource],
-    chunk_ids: Sequence[torch.Tensor],
-    suffix: torch.Tensor,
-    head_tokens: int = 16,
-    prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate_into,
-    loader: LayerLoader | None = None,
-    room: int = 0,
-) -> Fused:
-    """EPIC's LegoLink baseline: recompute the first head_tokens of every chunk on every layer, no deviation."""
-    if head_tokens < 0:
-        raise ValueError(f"head_tokens must be >= 0, got {head_tokens}")
-    heads, at = [], 0
-    for c in chunks:
-        heads.append(torch.arange(at, at + min(head_tokens, len(c))))
-        at += len(c)
-    fixed = torch.cat(heads) if heads else torch.empty(0, dtype=torch.int64)
-    keep = [int(fixed.shape[0])] * model.cfg.num_layers
-    return fuse_chunks(model, prefix, chunks, chunk_ids, suffix, keep, prefix_tail, rotate, loader, fixed, room=room)
+    prefix: tuple[KVCache, ...]
+    prefix_tail: torch.Tensor
+    chunks: tuple[LayerSource, ...]
+    chunk_ids: tuple[torch.Tensor, ...]
+    suffix: torch.Tensor
+
+    @classmethod
+    def of(cls, prefix: KVCache | Sequence[KVCache] | None, chunks: Sequence[LayerSource], suffix: torch.Tensor,
+           chunk_ids: Sequence[torch.Tensor] = (), prefix_tail: torch.Tensor | None = None) -> FuseLayout:
+        parts = (prefix,) if isinstance(prefix, KVCache) else tuple(prefix or ())
+        tail = prefix_tail if prefix_tail is not None else torch.empty(0, dtype=torch.int64)
+        return cls(parts, tail, tuple(chunks), tuple(chunk_ids), suffix)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def chunk_starts(self) -> list[int]:
+        """Where each chunk starts among the chunk tokens."""
+        out, at = [], 0
+        for c in self.chunks:
+            out.append(at)
+            at += len(c)
+        return out
 
 
 def fuse_chunks(
     model: Decoder,
-    prefix: KVCache | Sequence[KVCache],
-    chunks: Sequence[LayerSource],
-    chunk_ids: Sequence[torch.Tensor],
-    suffix: torch.Tensor,
+    layout: FuseLayout,
     keep: Sequence[int],
-    prefix_tail: torch.Tensor | None = None,
-    rotate: Rerotate = rerotate_into,
-    loader: LayerLoader | None = None,
+    *,
     candidates: torch.Tensor | None = None,
     deviation: Deviation | None = None,
+    rotate: Rerotate = rerotate_into,
+    loader: LayerLoader | None = None,
     room: int = 0,
 ) -> Fused:
-    """Lay out  prefix | prefix_tail | chunks | suffix  and compute it in one layer-by-layer pass.
+    """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
-    The prefix is an exact cache; prefix_tail (the uncached end of the prefix) and the suffix are
-    computed on every layer; on layer l the keep[l] chunk tokens of highest KV deviation among the
-    previous layer's are recomputed (keep all zero is plain reuse, and needs no chunk ids).
-    Chunk layers come through `loader` (default: read in place, nothing ahead), one layer at a time.
-    `candidates` (sorted chunk-token indices) replaces "every chunk token" as layer 0's set;
-    `deviation` replaces `kv_deviation` as the score the kept tokens are ranked by;
-    `room` reserves token slots for decoding, as in `prefill`."""
+    The prefix is an exact cache; the prefix tail and the suffix are computed on every layer; on layer
+    l the keep[l] chunk tokens of highest deviation among the previous layer's are recomputed (keep all
+    zero is plain reuse, and needs no chunk ids). Chunk layers come through `loader` (default: read in
+    place, nothing ahead), one layer at a time. `candidates` (sorted chunk-token indices) replaces
+    "every chunk token" as layer 0's set; `deviation` replaces `kv_deviation` as the score the kept
+    tokens are ranked by; `room` reserves token slots for decoding, as in `prefill`."""
+    chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
     if suffix.numel() == 0:
         raise ValueError("fusing chunks needs a non-empty suffix")
-    n_c = sum(len(c) for c in chunks)
+    n_c = layout.chunk_tokens
     if (keep[0] or candidates is not None) and [len(c) for c in chunks] != [len(t) for t in chunk_ids]:
         raise ValueError("every chunk cache needs its token ids, of the same length")
-    tail = prefix_tail if prefix_tail is not None else torch.empty(0, dtype=torch.int64)
-    parts = [prefix] if isinstance(prefix, KVCache) else list(prefix)
+    parts = layout.prefix
     p = sum(len(c) for c in parts)
     start = p + tail.shape[0]  # where the chunks begin
     n = start + n_c

@@ -74,7 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
     if any(m.name == "blend@auto" for m in methods):
-        from kvfuse.cli import attach_controller
+        from kvfuse.runtime import attach_controller
 
         attach_controller(engine, None)
     settings = EvalSettings(args.top_k, args.chunk_tokens, args.max_tokens)
@@ -87,13 +87,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _engine(model: str | None):  # type: ignore[no-untyped-def]
-    from kvfuse.engine import Engine
-    from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
+    from kvfuse.runtime import open_engine
 
-    path = resolve_model_path(model)
-    print(f"loading {path}", file=sys.stderr, flush=True)
-    return Engine.load(path), Tokenizer(path), Path(path).name
+    print(f"loading {model or 'the default model'}", file=sys.stderr, flush=True)
+    rt = open_engine(model, None)
+    return rt.engine, rt.tok, rt.model_id
 
 
 

@@ -1,4 +1,4 @@
-"""`kvfuse kb build|stats`, `kvfuse ask`, `kvfuse compare` and `kvfuse index build`."""
+"""`kvfuse kb build|stats`, `kvfuse ask`, `kvfuse compare` and `kvfuse index build`: the knowledge-base commands."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvfuse.cli.args import fail as _fail
+from kvfuse.runtime import bundled, open_engine, store_dir
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvfuse.rag.index import RETRIEVERS
+
     kb = sub.add_parser("kb", help="build a knowledge base's cached prefix, or print its stats and daily cost")
     kb.add_argument("action", choices=["build", "stats"])
     kb.add_argument("dir", help="knowledge-base directory (with kb.toml), or albaran for the bundled demo")
@@ -29,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--index", default=None, help="a retrieval index (kvfuse index build): the hybrid, top chunks "
                                                  "fused after the cached prefix with blend")
     a.add_argument("--top-k", type=int, default=2, help="chunks retrieved from --index")
-    a.add_argument("--retriever", choices=["bm25", "dense", "hybrid"], default="hybrid")
+    a.add_argument("--retriever", choices=sorted(RETRIEVERS), default="hybrid")
     a.add_argument("--ratio", default=None, help="blend's recompute ratio for the fused chunks (or auto)")
     a.add_argument("--max-tokens", type=int, default=32)
     a.add_argument("--no-quote", action="store_true", help="skip the quote request")
@@ -66,36 +71,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _fail(e: Exception) -> SystemExit:
-    return SystemExit(f"kvfuse: {e}")
-
-
 def open_kb(path: str, model: str | None, store: str | None) -> Any:
-    from kvfuse.engine import Engine
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
-    from kvfuse.text import Tokenizer
-    from kvfuse.weights import cache_dir, resolve_model_path
 
     try:
         manifest = load_manifest(path)  # fail on a bad knowledge base before loading the model
     except KBError as e:
         raise _fail(e) from None
-    store_dir = Path(store) if store else cache_dir() / "store"
-    mpath = resolve_model_path(model)
-    engine = Engine.load(mpath, store_dir=store_dir)
-    return KnowledgeBase(engine, Tokenizer(mpath), manifest, state_dir=store_dir)
-
-
-def default_group(manifest: Any) -> str:
-    """Least privilege: the group that may read the fewest documents."""
-    return str(min(manifest.groups, key=lambda g: (len(manifest.readable(g)), g)))
+    where = store_dir(store)
+    rt = open_engine(model, where)
+    return KnowledgeBase(rt.engine, rt.tok, manifest, state_dir=where)
 
 
 def _group(kb: Any, group: str | None) -> str:
     from kvfuse.kb.manifest import KBError
 
-    g = group or default_group(kb.manifest)
+    g = group or kb.default_group()
     if g not in kb.manifest.groups:
         raise _fail(KBError(f"unknown group {g!r}; {kb.name} has groups {', '.join(kb.manifest.groups)}"))
     return g
@@ -119,15 +111,16 @@ def _stats(args: argparse.Namespace) -> int:
     from kvfuse.kb.cost import CostModel
     from kvfuse.kb.manifest import KBError, load_manifest
     from kvfuse.kb.prefix import plan_prefix
+    from kvfuse.kb.usage import Usage
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import cache_dir, resolve_model_path
+    from kvfuse.weights import resolve_model_path
 
     if args.questions_per_day < 0 or args.edits_per_day < 0:
         raise SystemExit("kvfuse: --questions-per-day and --edits-per-day cannot be negative")
     try:
         m = load_manifest(args.dir)
         tok = Tokenizer(resolve_model_path(args.model))
-        group = args.group or default_group(m)
+        group = args.group or m.default_group()
         plan = plan_prefix(m, tok, group)
     except KBError as e:
         raise _fail(e) from None
@@ -148,9 +141,9 @@ def _stats(args: argparse.Namespace) -> int:
     # the morning build writes everything; edits of the most volatile group rewrite from it to the end
     edit_aware["cag"]["write"] = round((total + args.edits_per_day * (total - first_volatile)) * costs.write, 1)
     edit_aware["cag"]["total"] = round(edit_aware["cag"]["write"] + edit_aware["cag"]["read"], 1)
-    store = Path(args.store) if args.store else cache_dir() / "store"
-    usage_path = store / "kb" / m.name / "usage.json"
-    usage = json.loads(usage_path.read_text()) if usage_path.is_file() else {}
+    where = store_dir(args.store)
+    assert where is not None
+    usage = Usage(where, m.name).read()
     g = usage.get(group, {})
     out = {
         "kb": m.name, "group": group, "kb_version": plan.version, "documents": len(plan.documents),
@@ -169,7 +162,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _ratio(value: str | None) -> float | str | None:
-    from kvfuse.engine import parse_ratio
+    from kvfuse.request import parse_ratio
 
     try:
         return None if value is None else parse_ratio(value)
@@ -178,9 +171,10 @@ def _ratio(value: str | None) -> float | str | None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from kvfuse.engine import ModeUnavailableError, RequestError
     from kvfuse.kb.manifest import KBError
     from kvfuse.rag.index import Index, RetrievalIndexError
+    from kvfuse.request import ModeUnavailableError, RequestError
+    from kvfuse.runtime import attach_controller
 
     ratio = _ratio(args.ratio)
     if args.top_k <= 0 or args.max_tokens <= 0:
@@ -196,8 +190,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
         if ratio == "auto":
-            from kvfuse.cli import attach_controller
-
             attach_controller(kb.engine, kb.state_dir)
         answer = kb.ask(args.question, group, args.tenant, chunks, ratio, args.max_tokens, quote=not args.no_quote)
     except (KBError, RequestError, ModeUnavailableError, RetrievalIndexError) as e:
@@ -252,7 +244,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from kvfuse.text import Tokenizer
     from kvfuse.weights import resolve_model_path
 
-    src = _bundled(args.src)
+    src = bundled(args.src)
     try:
         if (resolve_kb_dir(src) / MANIFEST).is_file():
             m = load_manifest(src)
@@ -273,11 +265,3 @@ def cmd_index(args: argparse.Namespace) -> int:
         raise _fail(e) from None
     print(json.dumps({"out": args.out, "documents": len(docs), "chunks": len(index.chunks), **index.settings}))
     return 0
-
-
-def _bundled(src: str) -> str:
-    from importlib import resources
-
-    if src == "albaran-tickets" and not Path(src).exists():
-        return str(resources.files("kvfuse").joinpath("data/albaran-tickets"))
-    return src

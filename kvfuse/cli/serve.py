@@ -1,10 +1,9 @@
-"""`kvfuse serve`."""
+"""`kvfuse serve`: the HTTP server."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,13 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvfuse.engine import Engine
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
-    from kvfuse.server.app import Limits, ServerState
+    from kvfuse.runtime import attach_controller, open_engine, store_dir
     from kvfuse.server.auth import Keys, KeysError
-    from kvfuse.text import Tokenizer
-    from kvfuse.weights import cache_dir, resolve_model_path
+    from kvfuse.server.state import Limits, ServerState
 
     if min(args.max_queue, args.max_batch, args.max_documents, args.max_document_tokens) < 1:
         raise SystemExit("kvfuse: --max-queue, --max-batch, --max-documents and --max-document-tokens must be at "
@@ -45,13 +42,13 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     names = [m.name for m in manifests]
     if len(set(names)) != len(names):
         raise SystemExit(f"kvfuse: two --kb directories have the same name ({', '.join(names)})")
-    store = Path(args.store) if args.store else cache_dir() / "store"
-    path = resolve_model_path(args.model)
-    engine, tok = Engine.load(path, store_dir=store), Tokenizer(path)
-    engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
-    kbs = {m.name: KnowledgeBase(engine, tok, m, state_dir=store) for m in manifests}
+    store = store_dir(args.store)
+    rt = open_engine(args.model, store)
+    rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
+    attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
+    kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
     limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch)
-    return ServerState(engine, tok, Path(path).name, kbs, keys, limits)
+    return ServerState(rt.engine, rt.tok, rt.model_id, kbs, keys, limits)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,210 @@
+"""The engine's side of the store: a request's cache keys, prefix lookups and stores, chunk sources,
+the corrupt-entry retry and write-backs. Token ids only.
+
+Keys are computed once: `block_hashes` remembers the chained hashes of the last prefixes it was asked
+about (a knowledge base's prefix is hashed once per process, not once per lookup, build, store and
+quote request), and a request's chunk keys are computed once, in `open_chunks`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfuse import fuse
+from kvfuse.fuse import FuseContext, Fused, FuseLayout, Fuser
+from kvfuse.kv import KVCache, one_thread
+from kvfuse.loader import LayerLoader, LayerSource
+from kvfuse.model import Decoder
+from kvfuse.request import Request, Salt, SaltSpan, salt_ranges
+from kvfuse.store.base import CorruptEntryError
+from kvfuse.store.keys import BlockHash, ChunkKey, chunk_key, prefix_block_hashes, root_hash
+from kvfuse.store.tiered import TieredStore
+
+HASH_MEMO = 32  # prefixes whose block hashes are remembered
+
+
+@dataclass(slots=True)
+class ChunkSet:
+    """A request's chunk caches, opened for per-layer reads: from the store, or computed now on a miss.
+
+    `stored[i]`: chunk i came from the store; `promote[i]`: from a later tier, so the layers read are
+    put into the first tier after the request; `tier`: the slowest tier any chunk is read from."""
+
+    keys: list[ChunkKey]
+    sources: list[LayerSource]
+    stored: list[bool]
+    promote: list[bool]
+    tier: str
+    lengths: list[int] = field(default_factory=list)
+
+    def stored_mask(self) -> torch.Tensor:
+        """(chunk tokens,) bool: the token's KV came from the store."""
+        if not self.sources:
+            return torch.zeros(0, dtype=torch.bool)
+        return torch.cat([torch.full((n,), s) for n, s in zip(self.lengths, self.stored, strict=True)])
+
+
+class CacheManager:
+    """Keys, lookups and stores of one model's caches (one fingerprint, preamble and KV dtype)."""
+
+    def __init__(self, model: Decoder, fingerprint: str, store: TieredStore, preamble: Sequence[int],
+                 block_size: int, kv_dtype: torch.dtype) -> None:
+        self.model, self.fingerprint, self.store = model, fingerprint, store
+        self.preamble, self.block_size, self.kv_dtype = tuple(preamble), block_size, kv_dtype
+        self.root = root_hash(fingerprint, kv_dtype)
+        self._hashes: OrderedDict[tuple[tuple[int, ...], tuple[SaltSpan, ...]], tuple[BlockHash, ...]] = OrderedDict()
+
+    # -- prefix blocks -----------------------------------------------------------------------------
+
+    def block_hashes(self, tokens: Sequence[int], salts: Sequence[SaltSpan] = ()) -> tuple[BlockHash, ...]:
+        """The chained store keys of the full blocks of a prefix (remembered for the last few prefixes)."""
+        key = (tuple(tokens), tuple(salts))
+        hit = self._hashes.get(key)
+        if hit is not None:
+            self._hashes.move_to_end(key)
+            return hit
+        hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=salt_ranges(salts)))
+        self._hashes[key] = hashes
+        if len(self._hashes) > HASH_MEMO:
+            self._hashes.popitem(last=False)
+        return hashes
+
+    def stored_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many blocks at the start are stored in some tier (nothing is read)."""
+        n = 0
+        for h in hashes:
+            if h not in self.store:
+                break
+            n += 1
+        return n
+
+    def read_prefix(self, hashes: Sequence[BlockHash]) -> list[KVCache]:
+        """The longest run of stored blocks at the start, in order, in the model's dtype."""
+        blocks = []
+        dtype = self.model.embed_tokens.weight.dtype
+        with one_thread():
+            for h in hashes:
+                c = self.store.get(h)
+                if c is None:
+                    break
+                blocks.append(c.to(dtype))
+        return blocks
+
+    def store_prefix(self, hashes: Sequence[BlockHash], cache: KVCache, pin: bool = False) -> None:
+        """Store every block not yet stored (cache covers at least the blocks)."""
+        bs = self.block_size
+        with one_thread():  # hundreds of small copies: see kv.one_thread
+            for j, h in enumerate(hashes):
+                if h not in self.store:
+                    self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone(), pin=pin)
+                elif pin:
+                    self.store.pin(h)
+
+    def precompute_prefix(self, tokens: Sequence[int], salts: Sequence[SaltSpan] = (), pin: bool = False,
+                          hashes: Sequence[BlockHash] | None = None) -> int:
+        """Store the full blocks of a prefix, computing only those not stored; returns the tokens computed.
+
+        `hashes` may be given when they are known (the first blocks of a longer prefix's hashes)."""
+        hashes = self.block_hashes(tokens, salts) if hashes is None else hashes
+        n_full = len(hashes) * self.block_size
+        stored = self.stored_blocks(hashes)
+        if stored == len(hashes):  # stored in some tier; the request itself loads it
+            if pin:
+                for h in hashes:
+                    self.store.pin(h)
+            return 0
+        hit = self.read_prefix(hashes)
+        n_hit = len(hit) * self.block_size
+        exact = KVCache.concat(hit) if n_hit == n_full else fuse.prefill(
+            self.model, torch.tensor(list(tokens[n_hit:n_full]), dtype=torch.int64), past=hit).cache
+        self.store_prefix(hashes, exact, pin)
+        return n_full - stored * self.block_size
+
+    # -- chunks ------------------------------------------------------------------------------------
+
+    def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None) -> ChunkKey:
+        """The store key of a chunk's cache (computed behind the preamble, in the KV dtype)."""
+        return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk, salt.key() if salt else "")
+
+    def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None) -> tuple[KVCache, bool]:
+        """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
+        key = self.chunk_key(chunk, salt)
+        cache = self.store.get(key)
+        if cache is not None:
+            return cache, True
+        return self.compute_chunk(chunk, key), False
+
+    def compute_chunk(self, chunk: Sequence[int], key: ChunkKey) -> KVCache:
+        cache = fuse.precompute_chunk(self.model, self.preamble, chunk).to(self.kv_dtype)
+        self.store.put(key, cache)
+        return cache
+
+    def open_chunks(self, req: Request) -> ChunkSet:
+        """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now."""
+        first = self.store.tiers[0].name
+        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks])
+        slowest = 0
+        names = [t.name for t in self.store.tiers]
+        for c in req.chunks:
+            key = self.chunk_key(c, req.chunk_salt)
+            opened = self.store.open(key)
+            out.keys.append(key)
+            if opened is None:
+                out.sources.append(self.compute_chunk(c, key))
+                out.stored.append(False)
+                out.promote.append(False)
+                continue
+            out.sources.append(opened.source)
+            out.stored.append(True)
+            out.promote.append(opened.promote)
+            slowest = max(slowest, names.index(opened.tier))
+        out.tier = names[slowest]
+        return out
+
+    def fuse(self, fuser: Fuser, layout: Callable[[Sequence[LayerSource]], FuseLayout], ratio: float | None,
+             chunks: ChunkSet, req: Request, rotate: fuse.Rerotate, room: int, pipelined: bool
+             ) -> tuple[Fused, LayerLoader]:
+        """Run the fuser over the chunk set; an entry that turns out corrupt mid-read is dropped, its
+        chunk recomputed, and the fusion run again."""
+        for _ in range(len(chunks.sources) + 1):
+            lazy = [i for i, p in enumerate(chunks.promote) if p]
+            loader = LayerLoader(chunks.sources, self.model.cfg.num_layers, pipelined=pipelined and bool(lazy))
+            try:
+                with loader:
+                    return fuser.fuse(self.model, layout(chunks.sources), ratio, FuseContext(rotate, loader, room)), \
+                        loader
+            except CorruptEntryError as e:
+                for i in (i for i in lazy if chunks.keys[i] == e.key or e.key is None):
+                    self.store.drop_corrupt(chunks.keys[i], str(e))
+                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i])
+                    chunks.stored[i] = chunks.promote[i] = False
+        raise RuntimeError("every stored chunk entry was corrupt and recomputed, yet the fusion still failed")
+
+    def promotions(self, chunks: ChunkSet, loader: LayerLoader) -> list[Callable[[], object]]:
+        """Write-backs for after the request: promote what came from a later tier, from the layers read."""
+        from functools import partial
+
+        return [partial(self.store.promote, chunks.keys[i], [kv[i] for kv in loader.loaded],
+                        chunks.sources[i].positions) for i, p in enumerate(chunks.promote) if p]
+
+    def precompute(self, req: Request, fuser: Fuser, pin: bool = False) -> float:
+        """Prepare the caches the fuser reads for this request; returns the seconds spent.
+
+        With pin, the prefix blocks are pinned in the store (a knowledge base's prefix is never evicted)."""
+        if fuser.reads == "nothing":
+            return 0.0
+        t0 = time.perf_counter()
+        if fuser.reads == "prefix":
+            self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin)
+        else:
+            self.precompute_prefix(req.prefix, req.salts, pin)
+            for c in req.chunks:
+                key = self.chunk_key(c, req.chunk_salt)
+                if key not in self.store:  # stored in any tier is enough: the request loads it
+                    self.compute_chunk(c, key)
+        return time.perf_counter() - t0

@@ -1,0 +1,45 @@
+"""Flag helpers every command family shares (not a family itself)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvfuse.runtime import KV_DTYPES
+
+RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15), or auto (the loading controller)"
+
+
+def ratio(value: str) -> float | str:
+    """argparse type for --ratio."""
+    from kvfuse.request import parse_ratio
+
+    try:
+        return parse_ratio(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--ratio: {e}") from None
+
+
+def read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SystemExit(f"kvfuse: cannot read {flag} {path}: {e.strerror}") from None
+
+
+def model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M, converted once)")
+
+
+def store_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
+
+
+def store_flags(p: argparse.ArgumentParser) -> None:
+    store_flag(p)
+    p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp32", help="dtype of stored KV caches")
+
+
+def fail(e: Exception) -> SystemExit:
+    return SystemExit(f"kvfuse: {e}")

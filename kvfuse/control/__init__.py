@@ -1,0 +1,1 @@
+"""The loading controller: its policy (`policy`) and the profile it is measured by (`profile`)."""

@@ -1,0 +1,50 @@
+"""Building a request's KV cache: the layer loop (`core`) and the registered fusers.
+
+Built-in fusers register on import, in this order, the same way an extension would: full and prefix
+(exact), reuse, blend (CacheBlend, the paper baseline) and legolink (EPIC's baseline).
+"""
+
+from kvfuse.fuse.cacheblend import DEFAULT_FILTER_LAYERS, DEFAULT_RATIO, Blend, blend, keep_schedule
+from kvfuse.fuse.core import (
+    Deviation,
+    Fused,
+    FuseLayout,
+    Rerotate,
+    fuse_chunks,
+    kv_deviation,
+    precompute_chunk,
+    prefill,
+)
+from kvfuse.fuse.epic import DEFAULT_HEAD_TOKENS, Legolink, legolink
+from kvfuse.fuse.exact import Full, Prefix  # noqa: I001 (registration order is the modes' order)
+from kvfuse.fuse.kvreuse import Reuse, reuse
+from kvfuse.fuse.registry import FUSERS, FuseContext, Fuser, get_fuser, modes, register_fuser
+
+__all__ = [
+    "DEFAULT_FILTER_LAYERS",
+    "DEFAULT_HEAD_TOKENS",
+    "DEFAULT_RATIO",
+    "FUSERS",
+    "Blend",
+    "Deviation",
+    "Full",
+    "FuseContext",
+    "FuseLayout",
+    "Fused",
+    "Fuser",
+    "Legolink",
+    "Prefix",
+    "Rerotate",
+    "Reuse",
+    "blend",
+    "fuse_chunks",
+    "get_fuser",
+    "keep_schedule",
+    "kv_deviation",
+    "legolink",
+    "modes",
+    "precompute_chunk",
+    "prefill",
+    "register_fuser",
+    "reuse",
+]

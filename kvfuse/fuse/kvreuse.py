@@ -1,0 +1,34 @@
+"""Full KV reuse (PromptCache-style): the prefix and the re-rotated chunk caches as they are, then a
+prefill of the suffix only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, no_arg, register_fuser
+from kvfuse.model import Decoder
+
+
+def reuse(model: Decoder, layout: FuseLayout, ctx: FuseContext = IN_PLACE) -> Fused:
+    """Full KV reuse: no chunk token is recomputed."""
+    keep = [0] * model.cfg.num_layers
+    return fuse_chunks(model, layout, keep, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room)
+
+
+@register_fuser
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    name: ClassVar[str] = "reuse"
+    reads: ClassVar[Reads] = "chunks"
+    exact: ClassVar[bool] = False
+    takes_ratio: ClassVar[bool] = False
+
+    def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
+        return reuse(model, layout, ctx)
+
+    @classmethod
+    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
+        no_arg(cls.name)(arg)
+        return cls(), None

@@ -1,0 +1,214 @@
+"""The one answer pipeline over a knowledge base: prepare, warm, ask, cite, finish. `kvfuse ask`, the
+demo, `compare` and the server all answer through it.
+
+prepare  a question (or a server's own suffix ids) against a group's prefix plan, as an engine request:
+         the plan's ids (plus anything the caller places after them, a chat's turns), retrieved passages
+         and request documents fused as chunks, and the salts of the group and tenant. Pure planning:
+         nothing is computed, so the server plans on its HTTP threads.
+warm     builds the prefix if some block is missing and precomputes the chunk caches (the server does
+         this as a barrier job, never inside a running batch); returns the tokens written.
+ask      prepare, warm, answer from the cached prefix, cite, finish.
+cite     verifies the model's quotes against the sources, else a sentence found by search, labelled so.
+finish   token accounting, cost, and the group's cumulative usage.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfuse.kb.manifest import Document, KBError
+from kvfuse.kb.prefix import PrefixPlan
+from kvfuse.kb.quotes import Citation, find_quote, sentence_around, usable
+from kvfuse.rag.index import IndexChunk
+from kvfuse.request import OPEN_END, Generation, Ratio, Request, Salt, SaltSpan
+from kvfuse.sampling import SamplingParams
+from kvfuse.text.deltas import complete_text
+from kvfuse.text.layout import chunk_text, question_text
+
+if TYPE_CHECKING:
+    from kvfuse.kb.base import KnowledgeBase
+
+QUOTE_TOKENS = 64
+
+
+@dataclass(slots=True)
+class Answer:
+    answer: str
+    ttft_s: float
+    tokens: dict[str, int]  # prompt, cached, computed
+    cached_token_share: float
+    cost_units: dict[str, float]
+    citations: list[Citation]
+    group: str
+    kb_version: str
+    mode: str
+    cumulative_cached_token_share: float
+    retrieved: list[str] = field(default_factory=list)  # doc ids of fused chunks (hybrid)
+    controller: dict[str, Any] | None = None
+    recomputed_tokens: int = 0
+    ratio: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["citations"] = [c.as_dict() for c in self.citations]
+        out.pop("ratio")  # not part of `ask --json`'s contract (the server reports it under kvfuse.ratio)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A question turned into an engine request against a group's prefix plan, with what made it (so it
+    can be prepared again when the knowledge base changes before it runs)."""
+
+    plan: PrefixPlan
+    request: Request
+    mode: str
+    ratio: Ratio
+    question: str
+    passages: tuple[IndexChunk, ...] = ()
+    documents: tuple[str, ...] = ()
+    suffix: tuple[int, ...] | None = None
+    after_prefix: tuple[int, ...] = ()
+
+    @property
+    def sources(self) -> list[Document]:
+        """What an answer may quote: the group's documents and the fused passages."""
+        return list(self.plan.documents) + [Document(c.doc_id, c.title, "", 0, c.groups, False, c.text)
+                                            for c in self.passages]
+
+
+def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
+            passages: Sequence[IndexChunk] = (), ratio: Ratio = None, *, suffix: Sequence[int] | None = None,
+            after_prefix: Sequence[int] = (), documents: Sequence[str] = (), mode: str | None = None) -> Prepared:
+    """Plan a request on the group's prefix; see the module docstring. Raises KBError on bad input."""
+    if suffix is None and not question.strip():
+        raise KBError("the question is empty")
+    plan = kb.plan(group, tenant)
+    for c in passages:
+        if c.groups and group not in c.groups:
+            raise KBError(f"chunk of {c.doc_id!r} is not readable by group {group!r}")
+    tok = kb.tok
+    suffix_ids = tuple(suffix) if suffix is not None else tuple(tok.encode(question_text(question)))
+    chunks = tuple(tuple(tok.encode(chunk_text(c.headed))) for c in passages) + tuple(
+        tuple(tok.encode(chunk_text(d))) for d in documents)
+    prefix = plan.ids + tuple(after_prefix)
+    kb.check_length(plan, len(prefix) - len(plan.ids) + len(suffix_ids) + sum(len(c) for c in chunks))
+    salts = plan.salts
+    if tenant:  # everything after the knowledge base is the tenant's own (a chat's turns, say): salt it
+        salts += (SaltSpan(len(plan.ids), OPEN_END, Salt(tenant=tenant)),)
+    req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=Salt.of_tenant(tenant))
+    mode = mode or ("blend" if chunks else "prefix")
+    return Prepared(plan, req, mode, ratio, question, tuple(passages), tuple(documents),
+                    tuple(suffix) if suffix is not None else None, tuple(after_prefix))
+
+
+def refresh(kb: KnowledgeBase, prep: Prepared) -> Prepared:
+    """The same question prepared on the knowledge base as it is now (it may have been edited since)."""
+    if kb.plan(prep.plan.group, prep.plan.tenant) is prep.plan:
+        return prep
+    return prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio,
+                   suffix=prep.suffix, after_prefix=prep.after_prefix, documents=prep.documents, mode=prep.mode)
+
+
+def needs_warming(kb: KnowledgeBase, prep: Prepared) -> bool:
+    """The prefix has a block that is not stored (a cold build)."""
+    from kvfuse.kb.build import needs_build
+
+    return needs_build(kb, prep.plan)
+
+
+def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, float]:
+    """Build the prefix where a block is missing and, with `chunks`, precompute the chunk caches.
+    Returns (tokens written, seconds spent on the prefix build)."""
+    from kvfuse.kb.build import build, needs_build
+
+    written, build_s = 0, 0.0
+    if needs_build(kb, prep.plan):
+        report = build(kb, prep.plan)
+        written, build_s = report.tokens_recomputed, report.build_s
+    if chunks and prep.request.chunks:
+        eng, req = kb.engine, prep.request
+        written += sum(len(c) for c in req.chunks if eng.cache.chunk_key(c, req.chunk_salt) not in eng.store)
+        eng.precompute(req, prep.mode)
+    return written, build_s
+
+
+def ask(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
+        passages: Sequence[IndexChunk] = (), ratio: Ratio = None, max_tokens: int = 32, quote: bool = True) -> Answer:
+    prep = prepare(kb, question, group, tenant, passages, ratio)
+    written, _ = warm(kb, prep)
+    stream = kb.engine.stream(prep.request, prep.mode, prep.ratio, SamplingParams(max_tokens=max_tokens))
+    text = complete_text(stream, kb.tok).strip()
+    assert stream.result is not None
+    return finish(kb, prep, text, stream.result, cite(kb, prep, text, ask_model=True) if quote else [], written)
+
+
+def cite(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> list[Citation]:
+    """With ask_model, ask the model for a verbatim quote (a second, cached request); else take the
+    quotes inside the answer. Quotes are verified against the sources; where none is, a supporting
+    sentence found by search is added, labelled as retrieved."""
+    answer = answer.strip()
+    sources = prep.sources
+    if ask_model:
+        quotes = [_model_quote(kb, prep, answer)] if answer else []
+    else:
+        quotes = re.findall(r"[\"“]([^\"”]+)[\"”]", answer)
+    found = [find_quote(q, sources) for q in quotes if usable(q)]
+    if any(c.verified for c in found):
+        return [c for c in found if c.verified] if ask_model else found
+    support = supporting_passage(f"{prep.question} {answer}", sources)
+    return found + ([support] if support is not None else [])  # flagged, with what search found
+
+
+def _model_quote(kb: KnowledgeBase, prep: Prepared, answer: str) -> str:
+    """The model's quote, asked on the group's prefix and the fused passages (a chat's turns and request
+    documents are left out: the quote must come from the knowledge)."""
+    suffix = kb.tok.encode(question_text(prep.question) + f" {answer}\nQuote: \"")
+    q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio, suffix=suffix)
+    stream = kb.engine.stream(q.request, q.mode, q.ratio, SamplingParams(max_tokens=QUOTE_TOKENS))
+    return complete_text(stream, kb.tok, ('"', "\n")).strip()
+
+
+def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:
+    """The sentence of docs that BM25 ranks first for the query, labelled as retrieved."""
+    import bm25s
+
+    sentences: list[tuple[Document, int, int]] = []
+    for d in docs:
+        at = 0
+        for part in d.text.replace("\n", ". ").split(". "):
+            start = d.text.find(part, at)
+            if start >= 0 and len(part.split()) >= 4:
+                sentences.append((d, start, start + len(part)))
+                at = start + len(part)
+    if not sentences:
+        return None
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize([d.text[s:e] for d, s, e in sentences], stopwords="en", show_progress=False),
+                    show_progress=False)
+    q = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
+    ids, scores = retriever.retrieve(q, k=1, show_progress=False)
+    if float(scores[0][0]) <= 0:
+        return None
+    d, s, e = sentences[int(ids[0][0])]
+    return sentence_around(d, s, e)
+
+
+def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, citations: list[Citation],
+           written: int = 0, built: int = 0) -> Answer:
+    """Token accounting, cost and the cumulative cached share of a finished answer. `built` prefix tokens
+    were computed for this very request (a cold build), so they count as computed, not cached."""
+    c = result.counts
+    cached = max(0, c.cached - built)
+    computed = c.prompt - cached
+    share = cached / c.prompt if c.prompt else 0.0
+    cumulative = kb.usage_log.add(prep.plan.group, c.prompt, cached)
+    return Answer(
+        text, result.ttft_s, {"prompt": c.prompt, "cached": cached, "computed": computed}, round(share, 4),
+        kb.costs.request(written, cached, computed), citations, prep.plan.group, prep.plan.version, prep.mode,
+        round(cumulative, 4), [ch.doc_id for ch in prep.passages],
+        result.controller.as_dict() if result.controller is not None else None, c.recomputed, result.ratio,
+    )

@@ -1,0 +1,93 @@
+"""A knowledge base's state files beside the store: usage.json (cumulative token counts per group) and
+one build record per group (and tenant). Written atomically, under an advisory lock, so several
+processes (the CLI, a server) can share one store directory.
+
+    <store>/kb/<NAME>/usage.json
+    <store>/kb/<NAME>/<GROUP>[@<TENANT>].json
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def kb_state_dir(state_dir: Path, kb: str) -> Path:
+    return state_dir / "kb" / kb
+
+
+def usage_path(state_dir: Path, kb: str) -> Path:
+    """The one place the usage file's path is spelled."""
+    return kb_state_dir(state_dir, kb) / "usage.json"
+
+
+def build_record_path(state_dir: Path, kb: str, group: str, tenant: str | None) -> Path:
+    who = f"{group}@{tenant}" if tenant else group
+    return kb_state_dir(state_dir, kb) / f"{who}.json"
+
+
+class Usage:
+    """Cumulative prompt and cached tokens per group: in a state file, or in memory without a state dir."""
+
+    def __init__(self, state_dir: Path | None, kb: str) -> None:
+        self.path = usage_path(state_dir, kb) if state_dir is not None else None
+        self._mem: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def add(self, group: str, prompt: int, cached: int) -> float:
+        """Count a request; returns the group's cumulative cached-token share."""
+        def add(usage: dict[str, Any]) -> float:
+            g = usage.setdefault(group, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            g["requests"] += 1
+            g["prompt_tokens"] += prompt
+            g["cached_tokens"] += cached
+            return g["cached_tokens"] / g["prompt_tokens"] if g["prompt_tokens"] else 0.0
+
+        if self.path is None:
+            with self._lock:
+                return add(self._mem)
+        with self._lock, locked(self.path):  # threads of this process, then other processes
+            usage = read_json(self.path)
+            share = add(usage)
+            write_json(self.path, usage)
+            return share
+
+    def read(self) -> dict[str, Any]:
+        if self.path is None:
+            with self._lock:
+                return json.loads(json.dumps(self._mem))
+        return read_json(self.path)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock beside path, so concurrent processes update it one at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A state file's object; a missing or damaged one reads as empty (it is state, rebuilt as used)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)

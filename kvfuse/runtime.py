@@ -1,0 +1,77 @@
+"""What the CLI, the demo and the server share to get going: where the store is, opening an engine and
+its tokenizer, the loading controller, and opening a knowledge base. Imported by the edges only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfuse.engine import Engine
+    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.text.tokenizer import Tokenizer
+
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_FLOOR = 0.15
+
+
+def store_dir(store: str | Path | None, no_store: bool = False) -> Path | None:
+    """The KV store directory: the one given, else `<cache dir>/store`; None keeps caches in memory."""
+    from kvfuse.weights import cache_dir
+
+    if no_store:
+        return None
+    return Path(store) if store else cache_dir() / "store"
+
+
+@dataclass(slots=True)
+class Opened:
+    engine: Engine
+    tok: Tokenizer
+    model_path: Path
+
+    @property
+    def model_id(self) -> str:
+        return self.model_path.name
+
+
+def open_engine(model: str | None, store: Path | None, kv_dtype: str = "fp32") -> Opened:
+    """Load the checkpoint (default: Gemma 3 270M) with its store and tokenizer."""
+    import torch
+
+    from kvfuse.engine import Engine
+    from kvfuse.text.tokenizer import Tokenizer
+    from kvfuse.weights import resolve_model_path
+
+    path = Path(resolve_model_path(model))
+    engine = Engine.load(path, store_dir=store, kv_dtype=getattr(torch, KV_DTYPES[kv_dtype]))
+    return Opened(engine, Tokenizer(path), path)
+
+
+def attach_controller(engine: Engine, store: Path | None, measure: bool = True, floor: float = DEFAULT_FLOOR,
+                      costs: dict[str, float] | None = None) -> None:
+    """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
+    requests always get one, so their results say what the controller predicted)."""
+    from kvfuse.control.policy import Controller
+    from kvfuse.control.profile import load_or_profile, profile_path
+    from kvfuse.weights import cache_dir
+
+    if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
+        return
+    engine.controller = Controller(load_or_profile(engine, cache_dir(), store, costs=costs), floor)
+
+
+def open_kb(path: str, opened: Opened, store: Path | None) -> KnowledgeBase:
+    from kvfuse.kb.base import KnowledgeBase
+
+    return KnowledgeBase.open(path, opened.engine, opened.tok, state_dir=store)
+
+
+def bundled(src: str) -> str:
+    """The bundled data set of that name (albaran-tickets), or the path as given."""
+    from importlib import resources
+
+    if src == "albaran-tickets" and not Path(src).exists():
+        return str(resources.files("kvfuse").joinpath("data/albaran-tickets"))
+    return src

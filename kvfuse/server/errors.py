@@ -1,0 +1,79 @@
+"""Errors as OpenAI's JSON `{error: {message, type, param, code}}`; validation errors are 400, not 422."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfuse.kb.manifest import KBError
+from kvfuse.request import ModeUnavailableError, RequestError
+from kvfuse.server.metrics import Metrics
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def as_api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, KBError | RequestError | ModeUnavailableError):
+        return ApiError(400, str(e))
+    if isinstance(e, asyncio.CancelledError):
+        return ApiError(499, "The request was cancelled.", code="cancelled")
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+def busy(retry_after: int, what: str = "The server is busy") -> ApiError:
+    return ApiError(429, f"{what}; retry in {retry_after} s.", "rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def route_of(request: Request) -> str:
+    """The matched route's template (never the raw path: metric labels must stay few)."""
+    route = request.scope.get("route")
+    return str(getattr(route, "path", "unmatched"))
+
+
+def install_handlers(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        metrics.requests.labels(route_of(request), str(e.status)).inc()
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg = f"The request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); " \
+                  "send a JSON object."
+        else:
+            where = ".".join(loc) or "body"
+            msg = f"Invalid value for '{where}': {first.get('msg', 'invalid')}."
+            if len(errs) > 1:
+                msg += f" ({len(errs) - 1} more problem{'s' if len(errs) > 2 else ''} in the request.)"
+        return JSONResponse(error_body(msg, "invalid_request_error", ".".join(loc) or None, first.get("type")), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:  # a bug: report it, keep serving
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)

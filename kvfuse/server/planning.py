@@ -1,0 +1,152 @@
+"""Turning a completion or chat body into a planned engine request, on the HTTP thread: every check that
+can fail is made here, so a bad request is a 4xx before it queues. Knowledge-base requests are planned
+by the same `kb.answer.prepare` as `kvfuse ask`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfuse.kb import answer
+from kvfuse.kb.base import KnowledgeBase
+from kvfuse.kb.manifest import KBError
+from kvfuse.request import OPEN_END, ModeUnavailableError, Ratio, Request, RequestError, Salt, SaltSpan
+from kvfuse.sampling import SamplingParams
+from kvfuse.server.auth import Principal
+from kvfuse.server.errors import ApiError
+from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest, KvfuseOptions
+from kvfuse.server.state import ServerState
+from kvfuse.text.layout import bos, chunk_text
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Planned:
+    request: Request
+    mode: str
+    ratio: Ratio
+    params: SamplingParams
+    stops: list[str]
+    opts: KvfuseOptions
+    question: str
+    kb: KnowledgeBase | None = None
+    prep: answer.Prepared | None = None  # the knowledge-base plan it was prepared on
+    built: int = 0  # knowledge-base prefix tokens computed for this request (a cold build before it)
+    build_s: float = 0.0
+
+
+def group_for(kb: KnowledgeBase, principal: Principal, wanted: str | None) -> str:
+    allowed = principal.groups_for(kb.name)
+    group = wanted or (allowed[0] if allowed else kb.default_group())
+    if allowed is not None and group not in allowed:
+        raise ApiError(403, f"This key may read {kb.name!r} only as {', '.join(allowed)}, not as {group!r}.",
+                       "permission_error", param="kvfuse.group", code="group_not_allowed")
+    if group not in kb.manifest.groups:
+        raise ApiError(400, f"{kb.name!r} has no group {group!r}; its groups are {', '.join(kb.manifest.groups)}.",
+                       param="kvfuse.group")
+    return group
+
+
+def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionRequest, principal: Principal,
+                 chat: bool) -> Planned:
+    eng, tok = state.engine, state.tok
+    bad = body.unsupported()
+    if bad is not None:
+        raise ApiError(400, f"The parameter {bad!r} is not supported by this server; remove it.", param=bad,
+                       code="unsupported_parameter")
+    if body.model is not None and body.model != state.model_id:
+        raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {state.model_id!r}.",
+                       param="model", code="model_not_found")
+    docs = [d.text for d in body.documents or []]
+    lim = state.limits
+    if len(docs) > lim.max_documents:
+        raise ApiError(400, f"{len(docs)} documents given, but at most {lim.max_documents} are allowed per request; "
+                            "send fewer.", param="documents", code="too_many_documents")
+    chunks = tuple(tuple(tok.encode(chunk_text(d))) for d in docs)
+    for i, c in enumerate(chunks):
+        if len(c) > lim.max_document_tokens:
+            raise ApiError(400, f"documents[{i}] has {len(c)} tokens, but at most {lim.max_document_tokens} are "
+                                "allowed; split it into smaller documents.", param=f"documents[{i}]",
+                           code="document_too_large")
+    opts = body.kvfuse or KvfuseOptions()
+    kb = group = None
+    head: list[int] = bos(tok)
+    if body.kb is not None:
+        kb = state.kb_for(body.kb, principal)
+        group = group_for(kb, principal, opts.group)
+        try:
+            head = list(kb.plan(group, principal.tenant).ids)
+        except KBError as e:
+            raise ApiError(400, str(e), param="kb") from None
+    elif opts.group is not None:
+        raise ApiError(400, "kvfuse.group applies only with a kb.", param="kvfuse.group")
+    stop_ids = list(eng.cfg.eos_token_ids)
+    if chat:
+        assert isinstance(body, ChatCompletionRequest)
+        msgs = [(m.role, m.text()) for m in body.messages]
+        turns = state.chat.turns(tok, msgs)
+        gen = state.chat.generation_prompt(tok)
+        # the conversation follows the fused documents; without them it is a cacheable prefix (turn N+1 reuses N)
+        after, suffix = ([], turns + gen) if chunks else (turns, gen)
+        if state.chat.stop_marker:
+            stop_ids += [t for t in tok.encode(state.chat.stop_marker)][:1]
+        question = msgs[-1][1]
+        default_max = CHAT_DEFAULT_MAX_TOKENS
+    else:
+        assert isinstance(body, CompletionRequest)
+        ids, question = _prompt_ids(body, tok)
+        after, suffix = ([], ids) if chunks else (ids[:-1], ids[-1:])  # automatic prefix caching of the prompt
+        default_max = COMPLETION_DEFAULT_MAX_TOKENS
+    mode = opts.mode or ("blend" if chunks else "prefix")
+    if opts.ratio is not None and not eng.fuser(mode).takes_ratio:
+        raise ApiError(400, f"kvfuse.ratio applies only to a mode that recomputes a share of the chunks, such as "
+                            f"'blend', not {mode!r}.", param="kvfuse.ratio")
+    prompt = len(head) + len(after) + sum(len(c) for c in chunks) + len(suffix)
+    window = eng.cfg.max_position_embeddings
+    asked = (body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None) or body.max_tokens
+    max_tokens = asked or max(1, min(default_max, window - prompt))
+    if prompt + max_tokens > window:
+        raise ApiError(400, f"This model's maximum context length is {window} tokens. However, you requested "
+                            f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} for the "
+                            "completion). Please shorten the prompt or documents, or lower max_tokens.",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    prep = None
+    try:
+        if kb is not None and group is not None:
+            prep = answer.prepare(kb, question, group, principal.tenant, (), opts.ratio, suffix=suffix,
+                                  after_prefix=after, documents=docs, mode=mode)
+            req = prep.request
+        else:
+            tenant = Salt.of_tenant(principal.tenant)  # everything after BOS is the tenant's own: salt it
+            req = Request(suffix=tuple(suffix), prefix=tuple(head + after), chunks=chunks, chunk_salt=tenant,
+                          salts=(SaltSpan(len(head), OPEN_END, tenant),) if tenant else ())
+        eng.validate(req, mode, opts.ratio, max_tokens)
+        params = SamplingParams(max_tokens=max_tokens,
+                                temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                                stop_token_ids=tuple(stop_ids))
+    except (RequestError, ModeUnavailableError, KBError, ValueError) as e:
+        raise ApiError(400, str(e), param="kvfuse") from None
+    if opts.quote and (kb is None or not question.strip()):
+        raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
+    stops = body.stops() + (list(state.chat.stop_strings) if chat else [])
+    return Planned(req, mode, opts.ratio, params, stops, opts, question, kb, prep)
+
+
+def _prompt_ids(body: CompletionRequest, tok: object) -> tuple[list[int], str]:
+    """The prompt's ids and its text (empty for a prompt given as token ids)."""
+    p = body.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise ApiError(400, f"{len(p)} prompts given; this server takes one prompt per request.", param="prompt")
+    text_prompt = p if isinstance(p, str) else (str(p[0]) if p and isinstance(p[0], str) else None)
+    if text_prompt is not None:
+        ids: list[int] = tok.encode(text_prompt)  # type: ignore[attr-defined]
+        question = text_prompt
+    else:
+        ids = [int(x) for x in p]
+        question = ""
+    if not ids:
+        raise ApiError(400, "The prompt is empty; send some text.", param="prompt")
+    return ids, question

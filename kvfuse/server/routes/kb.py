@@ -1,0 +1,101 @@
+"""Knowledge bases over HTTP: POST /v1/kb/{name}/documents, DELETE /v1/kb/{name}/documents/{id} (admin
+keys; barrier jobs that rebuild the affected groups) and GET /v1/kb/{name} (groups, documents, usage)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvfuse.kb.base import KnowledgeBase
+from kvfuse.kb.manifest import Document
+from kvfuse.server.errors import ApiError
+from kvfuse.server.routes.jobs import on_worker
+from kvfuse.server.schemas import DocumentUpsert
+from kvfuse.server.state import ServerState
+
+
+def router(state: ServerState) -> APIRouter:
+    r = APIRouter()
+
+    def admin(request: Request, name: str) -> tuple[KnowledgeBase, tuple[str, ...] | None]:
+        """The knowledge base and the groups this admin key may edit (None: any)."""
+        principal = state.principal(request)
+        kb = state.kb_for(name, principal)
+        if not principal.admin:
+            raise ApiError(403, "This key may not edit knowledge bases (it needs admin = true).", "permission_error",
+                           code="not_admin")
+        return kb, principal.groups_for(name)
+
+    @r.post("/v1/kb/{name}/documents")
+    async def put_document(name: str, body: DocumentUpsert, request: Request) -> dict[str, Any]:
+        kb, allowed = admin(request, name)
+        _editable(kb, body.id, allowed)
+        if body.groups and allowed is not None and not set(body.groups) <= set(allowed):
+            raise ApiError(403, f"This key may edit only documents of {', '.join(allowed)}.", "permission_error",
+                           param="groups", code="group_not_allowed")
+
+        def work() -> dict[str, Any]:
+            with state.kb_lock:
+                m = kb.manifest
+                old = _editable(kb, body.id, allowed)
+                groups = tuple(body.groups) if body.groups else (
+                    old.groups if old else (allowed if allowed is not None else m.groups))
+                doc = Document(body.id, body.title or (old.title if old else body.id),
+                               old.path if old else f"docs/{body.id}.md",
+                               body.stability if body.stability is not None else (
+                                   old.stability if old else max(d.stability for d in m.documents)),
+                               tuple(sorted(groups)), body.shared if body.shared is not None else (
+                                   old.shared if old else False), body.text)
+                kb.put_document(doc)
+                builds = [kb.build(g).as_dict() for g in doc.groups if g in kb.manifest.groups]
+                return {"kb": kb.name, "id": doc.id, "created": old is None, "builds": builds}
+
+        return await on_worker(state, work)  # type: ignore[no-any-return]
+
+    @r.delete("/v1/kb/{name}/documents/{doc_id}")
+    async def delete_document(name: str, doc_id: str, request: Request) -> dict[str, Any]:
+        kb, allowed = admin(request, name)
+        if _editable(kb, doc_id, allowed) is None:
+            raise ApiError(404, f"No document {doc_id!r} in knowledge base {name!r}.", "not_found_error",
+                           param="doc_id", code="document_not_found")
+
+        def work() -> dict[str, Any]:
+            with state.kb_lock:
+                groups = kb.manifest.document(doc_id).groups
+                kb.delete_document(doc_id)
+                builds = [kb.build(g).as_dict() for g in groups if g in kb.manifest.groups]
+                return {"kb": kb.name, "id": doc_id, "deleted": True, "builds": builds}
+
+        return await on_worker(state, work)  # type: ignore[no-any-return]
+
+    @r.get("/v1/kb/{name}")
+    async def kb_stats(name: str, request: Request) -> dict[str, Any]:
+        principal = state.principal(request)
+        kb = state.kb_for(name, principal)
+        allowed = principal.groups_for(name)
+        groups = [g for g in kb.manifest.groups if allowed is None or g in allowed]
+        out: dict[str, Any] = {"name": kb.name, "groups": {}, "documents": []}
+        for g in groups:
+            plan = kb.plan(g, principal.tenant)
+            out["groups"][g] = {"kb_version": plan.version, "prefix_tokens": len(plan.ids),
+                                "cached_tokens": kb.cached_tokens(plan), "documents": len(plan.documents)}
+        readable = {d.id for g in groups for d in kb.manifest.readable(g)}
+        out["documents"] = [{"id": d.id, "title": d.title, "stability": d.stability, "groups": list(d.groups),
+                             "shared": d.shared} for d in sorted(kb.manifest.documents, key=lambda d: (d.stability,
+                                                                                                     d.id))
+                            if d.id in readable]
+        usage = kb.usage()
+        out["usage"] = {g: usage[g] for g in groups if g in usage}
+        return out
+
+    return r
+
+
+def _editable(kb: KnowledgeBase, doc_id: str, allowed: tuple[str, ...] | None) -> Document | None:
+    """The existing document, if any; one outside the key's groups is treated as absent (no leak)."""
+    old = next((d for d in kb.manifest.documents if d.id == doc_id), None)
+    if old is not None and allowed is not None and not set(old.groups) <= set(allowed):
+        raise ApiError(404, f"No document {doc_id!r} in knowledge base {kb.name!r} that this key may edit.",
+                       "not_found_error", param="id", code="document_not_found")
+    return old

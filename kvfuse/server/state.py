@@ -1,0 +1,61 @@
+"""What the routes share: the engine and its tokenizer, the knowledge bases, keys, limits, the worker,
+the metrics and the chat template."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from kvfuse.engine import Engine
+from kvfuse.kb.base import KnowledgeBase
+from kvfuse.server.auth import ANONYMOUS, Keys, Principal
+from kvfuse.server.errors import ApiError
+from kvfuse.server.metrics import Metrics
+from kvfuse.server.worker import Worker
+from kvfuse.text.chat import ChatTemplate
+
+
+@dataclass
+class Limits:
+    max_documents: int = 16
+    max_document_tokens: int = 4096
+    max_queue: int = 16
+    max_batch: int = 8  # requests decoding together (capped by what the engine checks batches exactly)
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tok: Any
+    model_id: str
+    kbs: dict[str, KnowledgeBase] = field(default_factory=dict)
+    keys: Keys | None = None
+    limits: Limits = field(default_factory=Limits)
+    kb_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        batch = min(self.limits.max_batch, self.engine.decode_batch_limit()) if self.limits.max_batch > 1 else 1
+        self.worker = Worker(self.limits.max_queue, self.engine.advance, batch)
+        self.metrics = Metrics(self.engine.store, lambda: self.worker.depth)
+        self.chat = ChatTemplate.for_model(self.engine.cfg.model_type, self.tok)
+
+    def principal(self, request: Request) -> Principal:
+        if self.keys is None:
+            return ANONYMOUS
+        p = self.keys.lookup(request.headers.get("authorization"))
+        if p is None:
+            raise ApiError(401, "Missing or invalid API key: send the header 'Authorization: Bearer <key>'.",
+                           "authentication_error", code="invalid_api_key")
+        return p
+
+    def kb_for(self, name: str, principal: Principal) -> KnowledgeBase:
+        kb = self.kbs.get(name)
+        allowed = principal.groups_for(name)
+        if kb is None or allowed == ():  # a key never learns about knowledge bases it cannot use
+            served = ", ".join(n for n in sorted(self.kbs) if principal.groups_for(n) != ()) or "none"
+            raise ApiError(404, f"The knowledge base {name!r} does not exist or is not available to this key; "
+                                f"available: {served}.", param="kb", code="kb_not_found")
+        return kb

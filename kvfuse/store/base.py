@@ -1,0 +1,76 @@
+"""What every storage tier offers, and the registry that builds tiers by name.
+
+A tier maps cache keys to KV caches. `open` returns an entry that can be read one layer at a time
+(a `KVCache` as it is, or a lazy entry whose layers are read, and verified, when asked for); a lazy
+entry that fails verification mid-read raises `CorruptEntryError`, and the store then calls
+`drop_corrupt` on every tier. Adding a tier (issue I's Redis) is one module and one `register_tier`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kvfuse.kv import KVCache
+from kvfuse.loader import LayerSource
+from kvfuse.store.keys import CacheKey
+
+
+class CorruptEntryError(Exception):
+    """A stored entry failed verification; `key` says which, when it is known."""
+
+    def __init__(self, message: str, key: CacheKey | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class Tier(Protocol):
+    """A storage tier. `corrupt` counts the entries it dropped because they failed verification."""
+
+    name: str
+    stats: TierStats
+    corrupt: int
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def __contains__(self, key: CacheKey) -> bool: ...
+    def get(self, key: CacheKey) -> KVCache | None: ...
+    def open(self, key: CacheKey) -> LayerSource | None: ...
+    def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool: ...
+    def pin(self, key: CacheKey) -> None: ...
+    def unpin(self, key: CacheKey) -> None: ...
+    def drop_corrupt(self, key: CacheKey, why: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    """What a tier factory may need: its byte capacity, the store directory and the model fingerprint."""
+
+    capacity_bytes: int
+    root: Path | None = None
+    model_fp: str | None = None
+
+
+TierFactory = Callable[[TierSettings], "Tier | None"]  # None: not configured (disk without a directory)
+TIERS: dict[str, TierFactory] = {}
+
+
+def register_tier(name: str) -> Callable[[TierFactory], TierFactory]:
+    def deco(factory: TierFactory) -> TierFactory:
+        TIERS[name] = factory
+        return factory
+
+    return deco

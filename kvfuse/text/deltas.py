@@ -1,0 +1,88 @@
+"""Token ids in, text out: text deltas that end at the first stop string, held back until decided."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+from typing import Protocol
+
+DEFAULT_STOP = ("\n",)
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper start of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+class TextDeltas:
+    """Token ids in, text deltas out, one token at a time, ending at the first stop string.
+
+    Text that could still turn into a stop string is held back until it is decided. `push` returns
+    the text a token released (often ""); once `stopped` is set, further tokens are ignored; `flush`
+    releases what was held back when the tokens end without a stop string."""
+
+    def __init__(self, tok: Decoder, stops: Sequence[str] = DEFAULT_STOP) -> None:
+        self.tok, self.stops = tok, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, t: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(t)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+            return ""
+        return self._cut(text, len(text) - _held(text, self.stops))
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._cut(self.tok.decode(self.ids), None)
+
+    def _cut(self, text: str, upto: int | None) -> str:
+        """Release text up to `upto` (None: all of it), or up to the first stop string in it."""
+        cut = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._release(text, cut)
+        return self._release(text, upto)
+
+    def _release(self, text: str, upto: int | None) -> str:
+        end = len(text) if upto is None else upto
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : end], end
+        return out
+
+
+def stream_text(
+    tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP
+) -> Generator[str, None, None]:
+    """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string."""
+    deltas = TextDeltas(tok, stops)
+    it = iter(tokens)
+    try:
+        for t in it:
+            if d := deltas.push(t):
+                yield d
+            if deltas.stopped:
+                return
+        if d := deltas.flush():
+            yield d
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def complete_text(tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP) -> str:
+    return "".join(stream_text(tokens, tok, stops))

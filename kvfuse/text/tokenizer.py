@@ -1,0 +1,42 @@
+"""A thin wrapper over the checkpoint's HF tokenizer (tokenizer.json, and its chat template if any)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """A thin wrapper over the checkpoint's HF tokenizer (tokenizer.json)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok: Any = AutoTokenizer.from_pretrained(str(path))
+        self.bos_id: int | None = self._tok.bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids with the (start, end) character span of each in text."""
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tok.convert_ids_to_tokens(token_id))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's own Jinja chat template, if it ships one."""
+        t = getattr(self._tok, "chat_template", None)
+        return t if isinstance(t, str) and t else None
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The checkpoint's chat template rendered as text."""
+        return str(self._tok.apply_chat_template(list(messages), tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt))

@@ -1,0 +1,172 @@
+"""The package's import graph: no cycles, no back-edges across layers, no private names across packages.
+
+Read with `ast` from the source, so it sees imports inside functions too (a lazy import is still a
+dependency). Imports under `if TYPE_CHECKING:` are annotations only: they may point back within the
+rules of the layers but do not count for cycles. docs/design.md draws the same layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
+
+# Lowest first. A module may import modules of its own layer or below, never above.
+LAYERS: list[tuple[str, ...]] = [
+    ("kvfuse.config", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling", "kvfuse.metrics",
+     "kvfuse.model", "kvfuse.lmhead", "kvfuse.weights", "kvfuse.store"),
+    ("kvfuse.request", "kvfuse.control.policy"),
+    ("kvfuse.fuse",),
+    ("kvfuse.decode", "kvfuse.cache", "kvfuse.selfcheck"),
+    ("kvfuse.engine",),
+    ("kvfuse.control.profile", "kvfuse.control", "kvfuse.text"),
+    ("kvfuse.rag",),
+    ("kvfuse.eval",),
+    ("kvfuse.kb",),
+    ("kvfuse.runtime", "kvfuse.demo"),
+    ("kvfuse.server",),
+    ("kvfuse.cli", "kvfuse.__main__"),
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and len(n) > best_len:
+                best, best_len = i, len(n)
+    if module == "kvfuse":
+        return 0
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and to docs/design.md)"
+    return best
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path) -> list[tuple[str, list[str], bool]]:
+    """(imported module, names, only for type checking) for every kvfuse import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: list[tuple[str, list[str], bool]] = []
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for sub in child.body:
+                    visit_one(sub, True)
+                for sub in child.orelse:
+                    visit_one(sub, typing_only)
+                continue
+            visit_one(child, typing_only)
+
+    def visit_one(child: ast.AST, typing_only: bool) -> None:
+        if isinstance(child, ast.Import):
+            out.extend((a.name, [], typing_only) for a in child.names if a.name.startswith("kvfuse"))
+        elif isinstance(child, ast.ImportFrom):
+            base = child.module or ""
+            if child.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - child.level + 1] + ([base] if base
+                                                                                                   else []))
+            if base.startswith("kvfuse"):
+                names = [a.name for a in child.names]
+                subs = [f"{base}.{n}" for n in names if (ROOT.parent / f"{base}.{n}".replace(".", "/")).exists()
+                        or (ROOT.parent / (f"{base}.{n}".replace(".", "/") + ".py")).exists()]
+                out.extend((s, [], typing_only) for s in subs)  # `from kvfuse import fuse` imports a module
+                rest = [n for n in names if f"{base}.{n}" not in subs]
+                if rest or not subs:
+                    out.append((base, rest, typing_only))
+        visit(child, typing_only)
+
+    visit(tree, False)
+    return out
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+GRAPH = {module_name(f): imports(f) for f in FILES}
+
+
+def test_every_module_has_a_layer() -> None:
+    for m in GRAPH:
+        layer_of(m)
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_no_back_edges(module: str) -> None:
+    mine = layer_of(module)
+    for target, _, _ in GRAPH[module]:
+        assert layer_of(target) <= mine, (
+            f"{module} (layer {mine}) imports {target} (layer {layer_of(target)}): dependencies point one way")
+
+
+def test_no_private_names_across_packages() -> None:
+    bad = []
+    for module, edges in GRAPH.items():
+        pkg = module.rsplit(".", 1)[0] if module.count(".") > 1 else module
+        for target, names, _ in edges:
+            tpkg = target.rsplit(".", 1)[0] if target.count(".") > 1 else target
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and tpkg != pkg:
+                    bad.append(f"{module} imports {target}.{n}")
+    assert not bad, bad
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in the graph, as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if state.get(t) is None and (found := dfs(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := dfs(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    # a submodule importing its own package's __init__ (a registry filling itself) is not a cycle back
+    edges = {m: {t for t, _, typing_only in e if not typing_only and t in GRAPH and t != m
+                 and not m.startswith(t + ".")} for m, e in GRAPH.items()}
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checker_catches_a_cycle_and_a_back_edge(tmp_path: Path) -> None:
+    """The checks above can fail: a fake engine importing the server is a back edge."""
+    assert layer_of("kvfuse.server.app") > layer_of("kvfuse.engine")
+    fake = tmp_path / "kvfuse" / "engine.py"
+    fake.parent.mkdir()
+    fake.write_text("from kvfuse.server.app import create_app\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path / "kvfuse"
+    try:
+        found = imports(fake)
+    finally:
+        ROOT = saved
+    assert ("kvfuse.server.app", ["create_app"], False) in found
+    assert layer_of(found[0][0]) > layer_of("kvfuse.engine")
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
