@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from kvfuse.engine import Engine, Request
+from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import resolve_kb_dir
 from kvfuse.sampling import SamplingParams
@@ -71,7 +72,7 @@ def main() -> None:
         full_t: list[float] = []
         for r in range(args.rounds + 1):  # round 0 warms up
             q = QUESTIONS[r % len(QUESTIONS)]
-            prep = kb.prepare(q, "support")
+            prep = answer.prepare(kb, q, "support")
             cag = engine.generate(prep.request, "prefix", params=one)
             full = engine.generate(Request(suffix=prep.request.suffix, prefix=prep.request.prefix), "full",
                                    params=one)

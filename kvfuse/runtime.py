@@ -36,7 +36,7 @@ class Opened:
         return self.model_path.name
 
 
-def open_engine(model: str | None, store: Path | None, kv_dtype: str = "fp32") -> Opened:
+def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp32") -> Opened:
     """Load the checkpoint (default: Gemma 3 270M) with its store and tokenizer."""
     import torch
 
@@ -62,10 +62,10 @@ def attach_controller(engine: Engine, store: Path | None, measure: bool = True, 
     engine.controller = Controller(load_or_profile(engine, cache_dir(), store, costs=costs), floor)
 
 
-def open_kb(path: str, opened: Opened, store: Path | None) -> KnowledgeBase:
+def open_kb(path: str, opened: Opened, store: str | Path | None) -> KnowledgeBase:
     from kvfuse.kb.base import KnowledgeBase
 
-    return KnowledgeBase.open(path, opened.engine, opened.tok, state_dir=store)
+    return KnowledgeBase.open(path, opened.engine, opened.tok, state_dir=Path(store) if store is not None else None)
 
 
 def bundled(src: str) -> str:

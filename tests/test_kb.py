@@ -6,11 +6,13 @@ from chartok import CharTokenizer
 from kbdata import DOCS, write_kb
 
 from kvfuse.engine import Engine, Request
+from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.cost import CostModel
 from kvfuse.kb.manifest import Document, KBError, load_manifest
 from kvfuse.kb.prefix import plan_prefix
 from kvfuse.kb.quotes import find_quote, usable
+from kvfuse.request import Salt
 from kvfuse.sampling import SamplingParams
 from kvfuse.store import open_store
 from kvfuse.weights import load_model
@@ -77,7 +79,7 @@ def test_edit_recomputes_from_the_changed_block(kb, tmp_path) -> None:
 
 def test_ask_answers_from_the_cache_and_recomputes_nothing_between_questions(kb) -> None:
     kb.build("support")
-    entries = len(kb.engine.store.memory._index)
+    entries = len(kb.engine.store.tiers[0])
     a1 = kb.ask("How many days?", "support", quote=False, max_tokens=4)
     a2 = kb.ask("Which day are invoices issued?", "support", quote=False, max_tokens=4)
     plan = kb.plan("support")
@@ -88,7 +90,7 @@ def test_ask_answers_from_the_cache_and_recomputes_nothing_between_questions(kb)
         assert a.tokens["prompt"] == len(plan.ids) + suffix
         assert a.cost_units["write"] == 0 and a.cost_units["read"] == pytest.approx(a.tokens["cached"] * 0.1)
         assert a.cached_token_share == pytest.approx(a.tokens["cached"] / a.tokens["prompt"], abs=1e-4)
-    assert len(kb.engine.store.memory._index) == entries  # the stored prefix was not extended
+    assert len(kb.engine.store.tiers[0]) == entries  # the stored prefix was not extended
     assert 0 < a2.cumulative_cached_token_share < 1
     usage = kb.usage()["support"]
     assert usage["requests"] == 2 and usage["cached_tokens"] == a1.tokens["cached"] + a2.tokens["cached"]
@@ -96,7 +98,7 @@ def test_ask_answers_from_the_cache_and_recomputes_nothing_between_questions(kb)
 
 def test_answer_equals_full_prefill_of_the_same_prompt(kb) -> None:
     kb.build("support")
-    prep = kb.prepare("How many days?", "support")
+    prep = answer.prepare(kb, "How many days?", "support")
     full = kb.engine.generate(Request(suffix=prep.request.suffix, prefix=prep.request.prefix), "full",
                               params=SamplingParams(max_tokens=5, ignore_eos=True))
     cag = kb.engine.generate(prep.request, prep.mode, params=SamplingParams(max_tokens=5, ignore_eos=True))
@@ -109,8 +111,9 @@ def test_hybrid_equals_full_at_ratio_one(kb) -> None:
     kb.build("support")
     chunks = [IndexChunk("t1", "Ticket 1", (), 0, 30, "Customer charged 20 days ago."),
               IndexChunk("t2", "Ticket 2", (), 0, 25, "Customer on the Team plan.")]
-    prep = kb.prepare("Refund?", "support", chunks=chunks, ratio=1.0)
-    assert prep.mode == "blend" and prep.written == sum(len(c) for c in prep.request.chunks)
+    prep = answer.prepare(kb, "Refund?", "support", passages=chunks, ratio=1.0)
+    written, _ = answer.warm(kb, prep)
+    assert prep.mode == "blend" and written == sum(len(c) for c in prep.request.chunks)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     hybrid = kb.engine.generate(prep.request, "blend", 1.0, params)
     full = kb.engine.generate(Request(suffix=prep.request.suffix, prefix=tuple(prep.request.ids[:-len(
@@ -149,7 +152,10 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     ha, hb = kb.engine.cache.block_hashes(a.ids, a.salts), kb.engine.cache.block_hashes(b.ids, b.salts)
     assert ha[:shared_blocks] == hb[:shared_blocks] and not set(ha[shared_blocks:]) & set(hb[shared_blocks:])
     chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
-    assert kb.engine.cache.chunk_key(chunk, "tenant:a") != kb.engine.cache.chunk_key(chunk, "tenant:b")
+    key = kb.engine.cache.chunk_key
+    assert key(chunk, Salt(tenant="a")) != key(chunk, Salt(tenant="b")) != key(chunk)
+    assert Salt(tenant="a").key() == "tenant:a" and Salt(kb="demo", group="support").key() == "kb:demo/group:support"
+    assert answer.prepare(kb, "q?", "support", "tenant-a").request.chunk_salt == Salt(tenant="tenant-a")
 
 
 def test_cost_arithmetic_matches_the_seed() -> None:
@@ -206,7 +212,11 @@ def test_manifest_errors(tmp_path) -> None:
 
 def test_concurrent_usage_updates_lose_nothing(kb) -> None:
     plan = kb.plan("support")
-    threads = [threading.Thread(target=lambda: [kb._add_usage(plan, 10, 9) for _ in range(20)]) for _ in range(4)]
+    def add() -> None:
+        for _ in range(20):
+            kb.usage_log.add(plan.group, 10, 9)
+
+    threads = [threading.Thread(target=add) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -236,13 +246,8 @@ def test_quote_offsets_survive_unicode_and_sentence_starts() -> None:
 def test_chat_template_keeps_conversations_prefix_stable() -> None:
     from kvfuse.text import ChatTemplate
 
-    class Vocab:
-        def get_vocab(self):  # type: ignore[no-untyped-def]
-            return {"<start_of_turn>": 105, "<end_of_turn>": 106}
-
     tok = CharTokenizer()
-    tok._tok = Vocab()  # type: ignore[attr-defined]
-    t = ChatTemplate.for_tokenizer(tok)
+    t = ChatTemplate.for_model("gemma3_text", tok)  # chosen by the model's family, not by its vocabulary
     one = [("system", "Be brief."), ("user", "Hi")]
     two = one + [("assistant", "Hello!"), ("user", "More?")]
     first = t.turns(tok, one) + t.generation_prompt(tok)
@@ -252,5 +257,31 @@ def test_chat_template_keeps_conversations_prefix_stable() -> None:
         return any(seq[i : i + len(sub)] == sub for i in range(len(seq)))
 
     assert not has(first, "system") and has(first, "user\nBe brief.\n\nHi")  # folded into the user turn
-    plain = ChatTemplate.for_tokenizer(CharTokenizer())
+    plain = ChatTemplate.for_model("llama", CharTokenizer())  # no template of its own
     assert plain.stop_strings == ("\nUser:",) and has(plain.turns(tok, one), "System: Be brief.\n")
+
+
+def test_a_question_on_a_built_prefix_hashes_its_blocks_at_most_once(kb, monkeypatch) -> None:
+    """The prefix's chained block hashes are computed once: the build, the lookup, the store of the
+    answer's blocks and the quote request all share them (vLLM hashes a request's blocks once)."""
+    import kvfuse.store.keys as keys
+
+    calls = []
+    real = keys.hash_block_tokens
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(keys, "hash_block_tokens", counting)
+    plan = kb.plan("support")
+    blocks = len(plan.ids) // 16
+    kb.build("support")
+    assert len(calls) == blocks  # the build hashed them, once
+    calls.clear()
+    kb.ask("How long is the refund window?", "support", max_tokens=3, quote=True)
+    assert len(calls) == 0  # the answer and its quote request reuse the build's hashes
+    kb.engine.cache = type(kb.engine.cache)(kb.engine.model, kb.engine.fingerprint, kb.engine.store,
+                                            kb.engine.preamble, 16, kb.engine.kv_dtype)  # a fresh process
+    kb.ask("How long is the refund window?", "support", max_tokens=3, quote=True)
+    assert len(calls) == blocks

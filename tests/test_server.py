@@ -2,7 +2,6 @@
 
 import asyncio
 import dataclasses
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,6 @@ from kvfuse.engine import Engine
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.server.app import Limits, ServerState, create_app
 from kvfuse.server.auth import Keys
-from kvfuse.server.worker import Job
 from kvfuse.store import open_store
 from kvfuse.weights import load_model
 
@@ -51,11 +49,10 @@ NOKB = {"Authorization": "Bearer sk-nokb-000000"}
 ADMIN_SUPPORT = {"Authorization": "Bearer sk-admin-support"}
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+def _serve(tiny_models, tmp):  # type: ignore[no-untyped-def]
+    """A server over its own copy of the demo knowledge base and its own store."""
     root, _ = tiny_models["gemma3"]
     lm = load_model(root)
-    tmp = tmp_path_factory.mktemp("server")
     write_kb(tmp / "kb")
     (tmp / "keys.toml").write_text(KEYS)
     engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "store", lm.fingerprint))
@@ -64,7 +61,21 @@ def srv(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
     kb = KnowledgeBase.open(tmp / "kb", engine, tok, state_dir=tmp / "store")
     state = ServerState(engine, tok, "tiny", {"demo": kb}, Keys.load(tmp / "keys.toml"),
                         Limits(max_documents=3, max_document_tokens=120, max_queue=4))
-    with serving(create_app(state)) as url:
+    return serving(create_app(state)), state
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Shared by the tests that read; a test that edits the knowledge base takes `own_srv`."""
+    ctx, state = _serve(tiny_models, tmp_path_factory.mktemp("server"))
+    with ctx as url:
+        yield url, state
+
+
+@pytest.fixture
+def own_srv(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    ctx, state = _serve(tiny_models, tmp_path)
+    with ctx as url:
         yield url, state
 
 
@@ -153,7 +164,8 @@ def test_auth(srv) -> None:
         assert h.get("/v1/kb/demo").status_code == 404
 
 
-def test_kb_endpoints(srv) -> None:
+def test_kb_endpoints(own_srv) -> None:
+    srv = own_srv
     with client(srv) as h:
         stats = h.get("/v1/kb/demo").json()
         assert set(stats["groups"]) == {"support"} and "margins" not in {d["id"] for d in stats["documents"]}
@@ -233,10 +245,13 @@ def test_full_queue_gets_429_with_retry_after(srv) -> None:
     url, state = srv
     w = state.worker
     gate, loop = threading.Event(), asyncio.new_event_loop()
-    for _ in range(w.max_queue):  # occupy every place in the queue
-        with w._lock:
-            w._depth += 1
-        w._q.put(Job(lambda cancel, emit: gate.wait(10), loop))
+
+    async def fill() -> None:  # occupy every place in the queue: one job runs (and waits), the rest queue
+        for _ in range(w.max_queue):
+            w.submit(lambda cancel, emit: gate.wait(10))
+
+    loop.run_until_complete(fill())
+    assert w.depth == w.max_queue
     try:
         with client(srv) as h:
             r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
@@ -277,7 +292,10 @@ def test_openapi_is_served(srv) -> None:
     spec = httpx.get(srv[0] + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
             "/v1/kb/{name}/documents", "/v1/kb/{name}/documents/{doc_id}", "/v1/kb/{name}"} <= set(spec["paths"])
-    assert json.dumps(spec)
+    from kvfuse.fuse import modes
+
+    mode = spec["components"]["schemas"]["KvfuseOptions"]["properties"]["mode"]
+    assert [a for a in mode["anyOf"] if "enum" in a][0]["enum"] == list(modes())  # the fuser registry's list
 
 
 def test_tenants_never_hit_each_others_prompts(srv) -> None:
@@ -291,7 +309,8 @@ def test_tenants_never_hit_each_others_prompts(srv) -> None:
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_admins_edit_only_their_groups_and_bad_documents_change_nothing(srv) -> None:
+def test_admins_edit_only_their_groups_and_bad_documents_change_nothing(own_srv) -> None:
+    srv = own_srv
     url, state = srv
     kb = state.kbs["demo"]
     manifest_before = (kb.manifest.root / "kb.toml").read_text()
@@ -318,3 +337,48 @@ def test_unsupported_and_null_parameters(srv) -> None:
         assert ok.status_code == 200, ok.text
         assert h.post("/v1/completions", json={"prompt": "hi", "seed": 2**64}).status_code == 400
         assert h.post("/v1/completions", json={"prompt": "hi", "kvfuse": {"quote": True}}).status_code == 400
+
+
+def test_a_tenant_gets_the_same_cache_keys_from_the_library_and_the_server(srv) -> None:
+    """One salt type: the server stores a tenant's chunk and prefix blocks under exactly the keys the
+    library (`kb.answer.prepare`, what `kvfuse ask` runs) computes for that tenant."""
+    from kvfuse.kb import answer
+    from kvfuse.rag.index import IndexChunk
+
+    url, state = srv
+    kb, eng = state.kbs["demo"], state.engine
+    text = "Ticket 9001: the customer asks about the refund window for annual plans."
+    passage = IndexChunk("t9001", "", (), 0, len(text), text)  # untitled: its prompt text is the text itself
+    lib = answer.prepare(kb, "Refund?", "support", "acme", [passage])
+    chunk = lib.request.chunks[0]
+    tenant_key, shared_key = eng.cache.chunk_key(chunk, lib.request.chunk_salt), eng.cache.chunk_key(chunk)
+    assert tenant_key != shared_key and tenant_key not in eng.store
+    with client(srv) as h:  # SUPPORT is tenant acme
+        r = h.post("/v1/completions", json={"kb": "demo", "prompt": "Refund?", "max_tokens": 1,
+                                            "documents": [{"text": text}]})
+    assert r.status_code == 200, r.text
+    assert tenant_key in eng.store and shared_key not in eng.store
+    plan = kb.plan("support", "acme")
+    assert all(h in eng.store for h in eng.cache.block_hashes(plan.ids, lib.request.salts))
+    assert eng.cache.block_hashes(plan.ids, plan.salts) != eng.cache.block_hashes(kb.plan("support").ids,
+                                                                                   kb.plan("support").salts)
+
+
+def test_ratio_auto_works_over_http_with_the_controller(srv) -> None:
+    from kvfuse.control.policy import Controller, Profile, TierProfile
+
+    url, state = srv
+    eng = state.engine
+    body = {"prompt": "What is the code?", "max_tokens": 1, "documents": [{"text": "The door code is 7310. " * 2}],
+            "kvfuse": {"mode": "blend", "ratio": "auto"}}
+    with client(srv, NOKB) as h:
+        assert h.post("/v1/completions", json=body).status_code == 400  # no controller: 'auto' is refused
+        tiers = {"memory": TierProfile(1e9, 4.0), "disk": TierProfile(1e6, 0.1)}
+        eng.controller = Controller(Profile("tiny", "test", 4096, {16: 1e-4, 64: 1e-4}, tiers), floor=0.2)
+        try:
+            r = h.post("/v1/completions", json=body).json()
+        finally:
+            eng.controller = None
+    ctl = r["kvfuse"]["controller"]
+    assert ctl is not None and ctl["ratio"] == pytest.approx(r["kvfuse"]["ratio"], abs=1e-4)
+    assert r["kvfuse"]["ratio"] >= 0.2  # never below the floor

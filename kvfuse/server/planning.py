@@ -100,8 +100,8 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         default_max = COMPLETION_DEFAULT_MAX_TOKENS
     mode = opts.mode or ("blend" if chunks else "prefix")
     if opts.ratio is not None and not eng.fuser(mode).takes_ratio:
-        raise ApiError(400, f"kvfuse.ratio applies only to a mode that recomputes a share of the chunks, such as "
-                            f"'blend', not {mode!r}.", param="kvfuse.ratio")
+        raise ApiError(400, f"kvfuse.ratio applies only to mode 'blend' (or another mode that recomputes a share "
+                            f"of the chunks), not {mode!r}.", param="kvfuse.ratio")
     prompt = len(head) + len(after) + sum(len(c) for c in chunks) + len(suffix)
     window = eng.cfg.max_position_embeddings
     asked = (body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None) or body.max_tokens
