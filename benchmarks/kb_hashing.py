@@ -185,6 +185,10 @@ def driver(old_rev: str, rounds: int, n_questions: int, store_arg: Path | None) 
                            capture_output=True)
         subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)  # the store too, unless --store put it elsewhere
+    new_commit_end = current_commit(REPO)
+    if new_commit_end != new_commit:  # others may commit while it runs: the new side was not one version
+        print(f"warning: the working tree went from {new_commit} to {new_commit_end} during the run",
+              file=sys.stderr)
     old, new = summarize(results["old"]), summarize(results["new"])
     old["commit"], new["commit"] = old_commit, new_commit
     return {
@@ -203,6 +207,7 @@ def driver(old_rev: str, rounds: int, n_questions: int, store_arg: Path | None) 
         "machine": {"node": platform.node(), "cpu_count": os.cpu_count()},
         "old_commit": old_commit,
         "new_commit": new_commit,
+        "new_commit_end": new_commit_end,
     }
 
 
@@ -212,7 +217,8 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"{'side':<5} {'commit':<20} {'blocks':>6} {'hashes/q':>9} {'w/ quote':>9} {'wall ms':>9} {'ttft ms':>9}")
     for side in ("old", "new"):
         s = out[side]
-        print(f"{side:<5} {s['commit'][:20]:<20} {s['blocks']:>6} {s['hashes_per_question']:>9g} "
+        commit = s["commit"][:12] + ("+dirty" if s["commit"].endswith("+dirty") else "")
+        print(f"{side:<5} {commit:<20} {s['blocks']:>6} {s['hashes_per_question']:>9g} "
               f"{s['hashes_with_quote']:>9g} {s['median_wall_s'] * 1e3:>9.1f} {s['median_ttft_s'] * 1e3:>9.1f}")
     print(f"new/old: wall {out['ratio_wall_new_old']:.3f}, ttft {out['ratio_ttft_new_old']:.3f} (ratio of medians); "
           f"paired per round: wall {out['paired_ratio_wall_new_old']:.3f}, ttft {out['paired_ratio_ttft_new_old']:.3f}")
