@@ -15,10 +15,13 @@ GROUP = "support"
 def _show(a: Answer) -> None:
     print(f"  answer: {a.answer!r}")
     for c in a.citations:
-        if c.source == "retrieval":
-            print(f"  supporting passage (found by retrieval, not quoted by the model) [{c.doc_id}]: \"{c.quote}\"")
-        elif c.verified:
+        if c.state == "retrieved":
+            print(f"  passage found by search (not quoted by the model, not checked against the answer) [{c.doc_id}]: "
+                  f"\"{c.quote}\"")
+        elif c.state == "verified":
             print(f"  quote check: VERIFIED in {c.doc_id} at characters {c.start}-{c.end}: \"{c.quote}\"")
+        elif c.state == "no_usable_quote":
+            print("  quote check: the model gave no usable quote")
         else:
             print(f"  quote check: NOT FOUND in any source document: \"{c.quote}\"")
     t = a.tokens

@@ -63,3 +63,15 @@ def test_compare_on_two_questions(real_store, tmp_path, capsys) -> None:
     assert rag["search_misses"] + rag["reading_misses"] == round((1 - rag["accuracy"]) * 2)
     assert res["methods"]["cag"]["cost_units_mean"] < 0.2 * res["builds"]["support"]["tokens_total"]
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 5000
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    states = {"verified", "not_found", "no_usable_quote", "retrieved"}
+    for row in saved["per_question"]:
+        for rec in row["methods"].values():  # every answer is cited, from what that method read
+            assert rec["finish_reason"] in ("stop", "length")
+            assert isinstance(rec["citations"], list) and all(c["state"] in states for c in rec["citations"]), rec
+            retrieved = set(rec.get("retrieved", [])) or None
+            for c in rec["citations"]:
+                if c["state"] in ("verified", "retrieved") and retrieved:
+                    assert c["doc_id"] in retrieved  # a RAG answer is cited from its own chunks
+    for m in res["methods"].values():
+        assert set(m["citations"]) == states and m["empty_answers"] >= 0

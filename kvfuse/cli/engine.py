@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvfuse.request import ModeUnavailableError, RequestError
     from kvfuse.sampling import SamplingParams
-    from kvfuse.text import DEFAULT_STOP, Prompt, complete_text
+    from kvfuse.text import DEFAULT_STOP, Prompt, complete_answer
 
     prompt = Prompt(
         prefix_text=read(args.prefix_file, "--prefix-file") if args.prefix_file else None,
@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         precompute_s = engine.precompute(req, args.mode)
         stream = engine.stream(req, args.mode, args.ratio, params)
-        answer = complete_text(stream, tok, args.stop or DEFAULT_STOP).strip()
+        answer = complete_answer(stream, tok, args.stop or DEFAULT_STOP).text
     except (RequestError, ModeUnavailableError) as e:
         raise fail(e) from None
     finally:

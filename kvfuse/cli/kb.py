@@ -13,6 +13,7 @@ from kvfuse.runtime import bundled, open_engine, store_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvfuse.kb.answer import ANSWER_TOKENS
     from kvfuse.rag.index import RETRIEVERS
 
     kb = sub.add_parser("kb", help="build a knowledge base's cached prefix, or print its stats and daily cost")
@@ -36,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--top-k", type=int, default=2, help="chunks retrieved from --index")
     a.add_argument("--retriever", choices=sorted(RETRIEVERS), default="hybrid")
     a.add_argument("--ratio", default=None, help="blend's recompute ratio for the fused chunks (or auto)")
-    a.add_argument("--max-tokens", type=int, default=32)
+    a.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS, help="answer length limit (a sentence with "
+                                                                         "a number; JSON says finish_reason)")
     a.add_argument("--no-quote", action="store_true", help="skip the quote request")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     _common(a)
@@ -48,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--methods", default="cag,full,rag-bm25@4,rag-dense@4,rag-hybrid@4")
     c.add_argument("--group", default=None, help="group for questions that name none")
     c.add_argument("--cases", type=int, default=None, help="only the first N questions")
-    c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS)
+    c.add_argument("--no-quote", action="store_true", help="skip the quote requests (no citations)")
     c.add_argument("--out", default=None, help="directory for compare.json, compare.md and compare.png")
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     _common(c)
@@ -201,12 +204,21 @@ def cmd_ask(args: argparse.Namespace) -> int:
         return 0
     print(answer.answer)
     for c in answer.citations:
-        mark = "verified" if c.verified else "NOT FOUND in the sources"
-        label = "retrieved passage" if c.source == "retrieval" else "quote"
-        print(f'  {label} ({mark}{", " + c.doc_id if c.doc_id else ""}): "{c.quote}"')
+        print(f"  {citation_line(c)}")
+    if answer.finish_reason == "length":
+        print(f"  (the answer reached --max-tokens {args.max_tokens} and may be cut short)", file=sys.stderr)
     print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
           f"cost {answer.cost_units['total']:.0f} units", file=sys.stderr)
     return 0
+
+
+def citation_line(c: Any) -> str:
+    """One citation as a person reads it: what it is, then the text."""
+    where = f", {c.doc_id}" if c.doc_id else ""
+    label = {"verified": f"quote (verified{where})", "not_found": "quote (NOT FOUND in the sources)",
+             "no_usable_quote": "no usable quote from the model",
+             "retrieved": f"passage found by search, not checked against the answer{where}"}.get(c.state, c.state)
+    return f'{label}: "{c.quote}"' if c.quote else label
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -221,7 +233,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     kb = open_kb(args.kb, args.model, args.store)
     group = _group(kb, args.group)
     try:
-        res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet)
+        res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet,
+                          quote=not args.no_quote)
     except KBError as e:
         raise _fail(e) from None
     kb.engine.store.flush()

@@ -21,7 +21,7 @@ from kvfuse.eval.data import Case
 from kvfuse.fuse import FUSERS, Fuser
 from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
-from kvfuse.text import HEAD, Prompt, Tokenizer, complete_text
+from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
 
 MAP_HEAD = (
     "Read the passage below and write one sentence with the facts from it that help answer the "
@@ -99,7 +99,7 @@ def _answer(run: CaseRun, req: Request, mode: Mode, ratio: Ratio = None, score: 
             record: bool = False) -> tuple[str, Generation]:
     stream = run.engine.stream(req, mode, ratio, run.params,
                                score=run.reference if score and run.reference else None, record_logits=record)
-    text = complete_text(stream, run.tok).strip()
+    text = complete_answer(stream, run.tok).text
     assert stream.result is not None
     return text, stream.result
 
@@ -174,7 +174,7 @@ class MapReduce:
             req = Request(prefix=req.prefix, chunks=req.chunks, suffix=tuple(
                 tok.encode(f"Question: {run.case.question.strip()}\nUseful facts:")))
             stream = run.engine.stream(req, "full", None, params)
-            summary = complete_text(stream, tok).strip()
+            summary = complete_answer(stream, tok).text
             assert stream.result is not None
             spent += stream.result.total_s
             if summary and summary.lower().rstrip(".") != "nothing":

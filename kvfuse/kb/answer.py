@@ -16,22 +16,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.kb.manifest import Document, KBError
 from kvfuse.kb.prefix import PrefixPlan
-from kvfuse.kb.quotes import Citation, find_quote, sentence_around, usable
+from kvfuse.kb.quotes import Citation, find_quote, looping, no_usable_quote, sentence_around, usable
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import OPEN_END, Generation, Ratio, Request, Salt, SaltSpan
 from kvfuse.sampling import SamplingParams
-from kvfuse.text.deltas import complete_text
+from kvfuse.text.deltas import complete_answer
 from kvfuse.text.layout import chunk_text, question_text
 
 if TYPE_CHECKING:
+    from kvfuse.engine import Engine
     from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.text.tokenizer import Tokenizer
 
-QUOTE_TOKENS = 64
+ANSWER_TOKENS = 48  # the default answer length: fits a sentence with a number (docs/benchmarks.md, issue L)
+QUOTE_TOKENS = 48  # a quote is at most a sentence; one that runs past this is no usable quote
+QUOTE_STOPS = ('"', "”", "\n")
 
 
 @dataclass(slots=True)
@@ -49,6 +53,7 @@ class Answer:
     retrieved: list[str] = field(default_factory=list)  # doc ids of fused chunks (hybrid)
     controller: dict[str, Any] | None = None
     recomputed_tokens: int = 0
+    finish_reason: str = "stop"  # "length": the answer hit max_tokens and may be cut short
     ratio: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -137,39 +142,69 @@ def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, f
 
 
 def ask(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
-        passages: Sequence[IndexChunk] = (), ratio: Ratio = None, max_tokens: int = 32, quote: bool = True) -> Answer:
+        passages: Sequence[IndexChunk] = (), ratio: Ratio = None, max_tokens: int = ANSWER_TOKENS,
+        quote: bool = True) -> Answer:
     prep = prepare(kb, question, group, tenant, passages, ratio)
     written, _ = warm(kb, prep)
     stream = kb.engine.stream(prep.request, prep.mode, prep.ratio, SamplingParams(max_tokens=max_tokens))
-    text = complete_text(stream, kb.tok).strip()
+    done = complete_answer(stream, kb.tok)
     assert stream.result is not None
-    return finish(kb, prep, text, stream.result, cite(kb, prep, text, ask_model=True) if quote else [], written)
+    citations = cite(kb, prep, done.text, ask_model=True) if quote else []
+    return finish(kb, prep, done.text, stream.result, citations, written, stopped=done.stopped)
 
 
 def cite(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> list[Citation]:
     """With ask_model, ask the model for a verbatim quote (a second, cached request); else take the
-    quotes inside the answer. Quotes are verified against the sources; where none is, a supporting
-    sentence found by search is added, labelled as retrieved."""
+    quotes inside the answer. Quotes are verified against the sources; where none is, a sentence found
+    by search is added, labelled as retrieved (see `kb.quotes` for the states)."""
     answer = answer.strip()
-    sources = prep.sources
     if ask_model:
-        quotes = [_model_quote(kb, prep, answer)] if answer else []
+        found = [quote_citation(_model_quote(kb, prep, answer), prep.sources)] if answer else []
     else:
-        quotes = re.findall(r"[\"“]([^\"”]+)[\"”]", answer)
-    found = [find_quote(q, sources) for q in quotes if usable(q)]
+        found = [find_quote(q, prep.sources) for q in re.findall(r"[\"“]([^\"”]+)[\"”]", answer) if usable(q)]
+    return with_support(found, prep.sources, f"{prep.question} {answer}", only_verified=ask_model)
+
+
+@dataclass(frozen=True, slots=True)
+class QuoteAttempt:
+    text: str
+    closed: bool  # it ended at a closing quotation mark (or the end of a line), not at the length bound
+
+
+def ask_quote(engine: Engine, tok: Tokenizer, req: Request, mode: str, ratio: Ratio = None) -> QuoteAttempt:
+    """Run a request whose suffix ends in `Quote: "` and read the quote, at most a sentence long."""
+    stream = engine.stream(req, mode, ratio, SamplingParams(max_tokens=QUOTE_TOKENS))
+    done = complete_answer(stream, tok, QUOTE_STOPS)
+    return QuoteAttempt(done.text, done.stopped)
+
+
+def quote_request(tok: Tokenizer, req: Request, question: str, answer: str) -> Request:
+    """The quote request: the answer's own prompt, then the answer and `Quote: "` after the question."""
+    return replace(req, suffix=tuple(tok.encode(question_text(question) + f" {answer}\nQuote: \"")))
+
+
+def quote_citation(attempt: QuoteAttempt, sources: Sequence[Document]) -> Citation:
+    """The model's quote checked against the sources; a loop, or one with no closing mark within a
+    sentence's length, or a too short one, is no usable quote."""
+    if not attempt.closed or looping(attempt.text) or not usable(attempt.text):
+        return no_usable_quote(attempt.text)
+    return find_quote(attempt.text, sources)
+
+
+def with_support(found: list[Citation], sources: Sequence[Document], query: str,
+                 only_verified: bool = True) -> list[Citation]:
+    """The verified quotes (all quotes, unless only_verified); without one, what search found is added."""
     if any(c.verified for c in found):
-        return [c for c in found if c.verified] if ask_model else found
-    support = supporting_passage(f"{prep.question} {answer}", sources)
-    return found + ([support] if support is not None else [])  # flagged, with what search found
+        return [c for c in found if c.verified] if only_verified else found
+    support = supporting_passage(query, sources)
+    return found + ([support] if support is not None else [])
 
 
-def _model_quote(kb: KnowledgeBase, prep: Prepared, answer: str) -> str:
+def _model_quote(kb: KnowledgeBase, prep: Prepared, answer: str) -> QuoteAttempt:
     """The model's quote, asked on the group's prefix and the fused passages (a chat's turns and request
     documents are left out: the quote must come from the knowledge)."""
-    suffix = kb.tok.encode(question_text(prep.question) + f" {answer}\nQuote: \"")
-    q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio, suffix=suffix)
-    stream = kb.engine.stream(q.request, q.mode, q.ratio, SamplingParams(max_tokens=QUOTE_TOKENS))
-    return complete_text(stream, kb.tok, ('"', "\n")).strip()
+    q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio)
+    return ask_quote(kb.engine, kb.tok, quote_request(kb.tok, q.request, prep.question, answer), q.mode, q.ratio)
 
 
 def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:
@@ -198,9 +233,10 @@ def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:
 
 
 def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, citations: list[Citation],
-           written: int = 0, built: int = 0) -> Answer:
+           written: int = 0, built: int = 0, stopped: bool = False) -> Answer:
     """Token accounting, cost and the cumulative cached share of a finished answer. `built` prefix tokens
-    were computed for this very request (a cold build), so they count as computed, not cached."""
+    were computed for this very request (a cold build), so they count as computed, not cached; `stopped`
+    says a stop string ended the text (else the engine's finish reason stands)."""
     c = result.counts
     cached = max(0, c.cached - built)
     computed = c.prompt - cached
@@ -210,5 +246,6 @@ def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, cit
         text, result.ttft_s, {"prompt": c.prompt, "cached": cached, "computed": computed}, round(share, 4),
         kb.costs.request(written, cached, computed), citations, prep.plan.group, prep.plan.version, prep.mode,
         round(cumulative, 4), [ch.doc_id for ch in prep.passages],
-        result.controller.as_dict() if result.controller is not None else None, c.recomputed, result.ratio,
+        result.controller.as_dict() if result.controller is not None else None, c.recomputed,
+        "stop" if stopped else result.finish_reason, result.ratio,
     )

@@ -1,9 +1,14 @@
 """Quote verification: a quote counts only if it occurs in a source document, checked in code.
 
 Whitespace runs and case are normalised on both sides; offsets are reported in the original text.
-A quote that is not found is returned with verified=False, never silently dropped or repaired. When
-the model gives no usable quote, a caller may attach a passage found by retrieval instead, with
-source="retrieval": it supports the answer but is not a quote by the model.
+Every citation has a `state`:
+
+    verified         the model's quote occurs in a source (verified=True, with offsets)
+    not_found        the model's quote occurs in no source; returned as it is, never repaired
+    no_usable_quote  the model gave no quote worth checking: too short, no closing quotation mark
+                     within a sentence's length, or a loop that repeats itself
+    retrieved        a sentence found by search (source="retrieval"), not a quote by the model: it is
+                     where the facts may be, not evidence that the answer is right (verified=False)
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import asdict, dataclass
 from kvfuse.kb.manifest import Document
 
 MIN_QUOTE_WORDS = 3
+LOOP_WORDS = 4  # a run of this many words seen twice in one quote is a loop
 _STRIP = " \t\n\"'“”‘’«»`"
 
 
@@ -26,6 +32,7 @@ class Citation:
     start: int | None  # character offsets into the document's text, end exclusive
     end: int | None
     source: str = "model"  # "model": quoted by the model; "retrieval": a supporting passage found by search
+    state: str = "not_found"  # verified, not_found, no_usable_quote or retrieved (see the module docstring)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -74,8 +81,26 @@ def find_quote(quote: str, docs: Sequence[Document]) -> Citation:
                 at = nd.find(c) if c else -1
                 if at >= 0:
                     start, end = where[at], where[at + len(c) - 1] + 1
-                    return Citation(d.id, d.text[start:end], True, start, end)
-    return Citation(None, q, False, None, None)
+                    return Citation(d.id, d.text[start:end], True, start, end, state="verified")
+    return Citation(None, q, False, None, None, state="not_found")
+
+
+def looping(quote: str) -> bool:
+    """The quote repeats a run of LOOP_WORDS words: the model is looping, not quoting."""
+    words = clean_quote(quote).lower().split()
+    seen: set[tuple[str, ...]] = set()
+    for i in range(len(words) - LOOP_WORDS + 1):
+        run = tuple(words[i : i + LOOP_WORDS])
+        if run in seen:
+            return True
+        seen.add(run)
+    return False
+
+
+def no_usable_quote(raw: str) -> Citation:
+    """What the model gave instead of a quote, flagged as unusable (kept short, for the record)."""
+    text = clean_quote(raw)
+    return Citation(None, text[:200], False, None, None, state="no_usable_quote")
 
 
 def sentence_around(doc: Document, start: int, end: int) -> Citation:
@@ -89,4 +114,4 @@ def sentence_around(doc: Document, start: int, end: int) -> Citation:
         s += 1
     while e > s and text[e - 1].isspace():
         e -= 1
-    return Citation(doc.id, text[s:e], True, s, e, source="retrieval")
+    return Citation(doc.id, text[s:e], False, s, e, source="retrieval", state="retrieved")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 DEFAULT_STOP = ("\n",)
@@ -28,10 +29,13 @@ class TextDeltas:
 
     Text that could still turn into a stop string is held back until it is decided. `push` returns
     the text a token released (often ""); once `stopped` is set, further tokens are ignored; `flush`
-    releases what was held back when the tokens end without a stop string."""
+    releases what was held back when the tokens end without a stop string.
 
-    def __init__(self, tok: Decoder, stops: Sequence[str] = DEFAULT_STOP) -> None:
-        self.tok, self.stops = tok, stops
+    With `lead_in`, whitespace before the first visible character is a lead-in, not the end: a stop
+    string counts only from there on (an answer that starts with a newline is kept, not cut to "")."""
+
+    def __init__(self, tok: Decoder, stops: Sequence[str] = DEFAULT_STOP, lead_in: bool = False) -> None:
+        self.tok, self.stops, self.lead_in = tok, stops, lead_in
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
@@ -50,7 +54,8 @@ class TextDeltas:
 
     def _cut(self, text: str, upto: int | None) -> str:
         """Release text up to `upto` (None: all of it), or up to the first stop string in it."""
-        cut = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
+        start = len(text) - len(text.lstrip()) if self.lead_in else 0
+        cut = min((i for i in (text.find(s, start) for s in self.stops if s) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             return self._release(text, cut)
@@ -65,10 +70,10 @@ class TextDeltas:
 
 
 def stream_text(
-    tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP
+    tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP, deltas: TextDeltas | None = None
 ) -> Generator[str, None, None]:
     """Turn a token stream into text deltas, ending (and closing the stream) at the first stop string."""
-    deltas = TextDeltas(tok, stops)
+    deltas = deltas if deltas is not None else TextDeltas(tok, stops)
     it = iter(tokens)
     try:
         for t in it:
@@ -86,3 +91,16 @@ def stream_text(
 
 def complete_text(tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP) -> str:
     return "".join(stream_text(tokens, tok, stops))
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    text: str  # stripped
+    stopped: bool  # a stop string ended it (not the token limit, not a stop token)
+
+
+def complete_answer(tokens: Iterable[int], tok: Decoder, stops: Sequence[str] = DEFAULT_STOP) -> Completed:
+    """An answer's text: leading whitespace is a lead-in (see TextDeltas), and the text is stripped."""
+    deltas = TextDeltas(tok, stops, lead_in=True)
+    text = "".join(stream_text(tokens, tok, stops, deltas))
+    return Completed(text.strip(), deltas.stopped)
