@@ -285,3 +285,36 @@ def test_a_question_on_a_built_prefix_hashes_its_blocks_at_most_once(kb, monkeyp
                                             kb.engine.preamble, 16, kb.engine.kv_dtype)  # a fresh process
     kb.ask("How long is the refund window?", "support", max_tokens=3, quote=True)
     assert len(calls) == blocks
+
+
+def test_a_looping_or_unclosed_quote_is_no_usable_quote() -> None:
+    from kvfuse.kb.quotes import looping
+
+    docs = [Document("team", "Team", "", 1, ("s",), text="Annual subscriptions have 30 calendar days to ask.")]
+    good = answer.quote_citation(answer.QuoteAttempt("Annual subscriptions have 30 calendar days", True), docs)
+    assert good.state == "verified" and good.verified and good.doc_id == "team"
+    loop = "30 calendar days to ask 30 calendar days to ask 30 calendar days"
+    assert looping(loop) and not looping("Annual subscriptions have 30 calendar days to ask.")
+    for attempt in (answer.QuoteAttempt(loop, True),  # a loop, even one that closed
+                    answer.QuoteAttempt("Annual subscriptions have 30 calendar days to ask and", False),  # no mark
+                    answer.QuoteAttempt("30 days", True)):  # too short to check
+        c = answer.quote_citation(attempt, docs)
+        assert c.state == "no_usable_quote" and not c.verified and c.doc_id is None
+    missing = answer.quote_citation(answer.QuoteAttempt("Annual plans have 14 days to ask", True), docs)
+    assert missing.state == "not_found" and not missing.verified
+
+
+def test_a_passage_found_by_search_is_labelled_so_never_verified(kb) -> None:
+    prep = answer.prepare(kb, "How many days for a refund?", "support")
+    cites = answer.with_support([answer.quote_citation(answer.QuoteAttempt("x x x x x x x x", False), [])],
+                                prep.sources, "refund days")
+    assert [c.state for c in cites] == ["no_usable_quote", "retrieved"]
+    assert cites[1].source == "retrieval" and not cites[1].verified and cites[1].as_dict()["state"] == "retrieved"
+
+
+def test_a_truncated_answer_reports_length(kb) -> None:
+    kb.build("support")
+    a = kb.ask("How long is the refund window?", "support", max_tokens=2, quote=True)
+    # the tiny model's characters never include a newline, so only the token limit ends it
+    assert a.finish_reason == "length" and a.as_dict()["finish_reason"] == "length"
+    assert all(c.state in ("verified", "not_found", "no_usable_quote", "retrieved") for c in a.citations)

@@ -66,3 +66,14 @@ def test_a_stop_string_is_cut_even_when_the_tokens_end_mid_character() -> None:
     assert deltas.push(1) == ""  # waits for the rest of the character
     assert deltas.flush() == "yes" and deltas.stopped
     assert deltas.push(2) == "" and deltas.flush() == ""
+
+
+def test_an_answer_that_starts_with_a_newline_is_kept() -> None:
+    from kvfuse.text import complete_answer
+
+    ids = TOK.encode("\n\n 30 days.\nQuestion: next")
+    assert complete_text(iter(ids), TOK) == ""  # a plain stop at the first newline cuts it to nothing
+    done = complete_answer(iter(ids), TOK)
+    assert done.text == "30 days." and done.stopped
+    unended = complete_answer(iter(TOK.encode("\n30 days")), TOK)
+    assert unended.text == "30 days" and not unended.stopped  # ran out of tokens: no stop string

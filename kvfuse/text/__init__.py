@@ -12,5 +12,6 @@ from kvfuse.text.deltas import (
 from kvfuse.text.layout import HEAD, Prompt, bos, chunk_text, question_text, section_text
 from kvfuse.text.tokenizer import Tokenizer
 
-__all__ = ["CHAT_TEMPLATES", "DEFAULT_STOP", "HEAD", "ChatTemplate", "Completed", "Prompt", "TextDeltas", "Tokenizer", "bos",
-           "chunk_text", "complete_answer", "complete_text", "question_text", "section_text", "stream_text"]
+__all__ = ["CHAT_TEMPLATES", "DEFAULT_STOP", "HEAD", "ChatTemplate", "Completed", "Prompt", "TextDeltas",
+           "Tokenizer", "bos", "chunk_text", "complete_answer", "complete_text", "question_text", "section_text",
+           "stream_text"]
