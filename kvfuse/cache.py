@@ -8,6 +8,7 @@ quote request), and a request's chunk keys are computed once, in `open_chunks`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ class CacheManager:
         self.model, self.fingerprint, self.store = model, fingerprint, store
         self.preamble, self.block_size, self.kv_dtype = tuple(preamble), block_size, kv_dtype
         self.root = root_hash(fingerprint, kv_dtype)
+        self._lock = threading.Lock()
         self._hashes: OrderedDict[tuple[tuple[int, ...], tuple[SaltSpan, ...]], tuple[BlockHash, ...]] = OrderedDict()
 
     # -- prefix blocks -----------------------------------------------------------------------------
@@ -64,14 +66,16 @@ class CacheManager:
     def block_hashes(self, tokens: Sequence[int], salts: Sequence[SaltSpan] = ()) -> tuple[BlockHash, ...]:
         """The chained store keys of the full blocks of a prefix (remembered for the last few prefixes)."""
         key = (tuple(tokens), tuple(salts))
-        hit = self._hashes.get(key)
-        if hit is not None:
-            self._hashes.move_to_end(key)
-            return hit
+        with self._lock:  # the server's HTTP threads and its worker both ask
+            hit = self._hashes.pop(key, None)
+            if hit is not None:
+                self._hashes[key] = hit  # most recently used last
+                return hit
         hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=salt_ranges(salts)))
-        self._hashes[key] = hashes
-        if len(self._hashes) > HASH_MEMO:
-            self._hashes.popitem(last=False)
+        with self._lock:
+            self._hashes[key] = hashes
+            while len(self._hashes) > HASH_MEMO:
+                self._hashes.popitem(last=False)
         return hashes
 
     def stored_blocks(self, hashes: Sequence[BlockHash]) -> int:

@@ -57,7 +57,6 @@ class Engine:
         bos = self.cfg.bos_token_id
         default_preamble = (bos,) if bos is not None else ()
         self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
-        self.block_size, self.kv_dtype = block_size, kv_dtype
         self.cache = CacheManager(model, fingerprint, store if store is not None else TieredStore(), self.preamble,
                                   block_size, kv_dtype)
         self.pipelined = True  # read later-tier chunk layers ahead of the recompute
@@ -82,6 +81,14 @@ class Engine:
         loaded = load_model(path)
         store = open_store(store_dir, loaded.fingerprint)
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache.kv_dtype
 
     @property
     def store(self) -> TieredStore:
@@ -184,6 +191,9 @@ class Engine:
         if self.controller is None:
             assert fixed is not None  # validate refuses 'auto' without a controller
             return fixed, None
+        profiled = self.controller.profile.tiers
+        if tier not in profiled:  # a tier the profile has not measured: decide as for the slowest one it has
+            tier = min(profiled, key=lambda t: profiled[t].read_bytes_per_s)
         decision = self.controller.decide(reused, tier, fixed)
         return decision.ratio, decision
 

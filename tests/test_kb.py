@@ -259,6 +259,7 @@ def test_chat_template_keeps_conversations_prefix_stable() -> None:
     assert not has(first, "system") and has(first, "user\nBe brief.\n\nHi")  # folded into the user turn
     plain = ChatTemplate.for_model("llama", CharTokenizer())  # no template of its own
     assert plain.stop_strings == ("\nUser:",) and has(plain.turns(tok, one), "System: Be brief.\n")
+    assert has(plain.turns(tok, [("developer", "Be kind.")]), "Developer: Be kind.\n")  # as before
 
 
 def test_a_question_on_a_built_prefix_hashes_its_blocks_at_most_once(kb, monkeypatch) -> None:
@@ -318,3 +319,27 @@ def test_a_truncated_answer_reports_length(kb) -> None:
     # the tiny model's characters never include a newline, so only the token limit ends it
     assert a.finish_reason == "length" and a.as_dict()["finish_reason"] == "length"
     assert all(c.state in ("verified", "not_found", "no_usable_quote", "retrieved") for c in a.citations)
+
+
+def test_block_hashes_are_safe_to_ask_for_from_two_threads(kb) -> None:
+    """The server's HTTP threads and its worker both ask: the memo must never lose or mix an entry."""
+    cache = kb.engine.cache
+    prefixes = [tuple(range(1, 1 + 16 * (i % 5 + 1))) + (i,) * 16 for i in range(80)]  # more than the memo keeps
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                for p in prefixes:
+                    assert len(cache.block_hashes(p)) == len(p) // 16
+        except BaseException as e:  # noqa: BLE001 (any failure of a thread fails the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    fresh = type(cache)(cache.model, cache.fingerprint, cache.store, cache.preamble, 16, cache.kv_dtype)
+    assert all(cache.block_hashes(p) == fresh.block_hashes(p) for p in prefixes[-5:])

@@ -295,7 +295,8 @@ def test_openapi_is_served(srv) -> None:
     from kvfuse.fuse import modes
 
     mode = spec["components"]["schemas"]["KvfuseOptions"]["properties"]["mode"]
-    assert [a for a in mode["anyOf"] if "enum" in a][0]["enum"] == list(modes())  # the fuser registry's list
+    assert [a for a in mode["anyOf"] if "enum" in a][0]["enum"] == list(modes()) == ["full", "prefix", "reuse", "blend",
+                                                                                 "legolink"]  # the registry
 
 
 def test_tenants_never_hit_each_others_prompts(srv) -> None:

@@ -238,7 +238,7 @@ def _maprerank(arg: str | None) -> Method:
 def _fusing(name: str) -> Factory:
     def make(arg: str | None) -> Method:
         fuser, ratio = FUSERS[name].from_arg(arg)
-        return ChunkReuse(fuser, ratio, name if arg is None else f"{name}@{arg}")
+        return ChunkReuse(fuser, ratio, fuser.label(ratio))
 
     return make
 

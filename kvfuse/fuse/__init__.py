@@ -4,7 +4,13 @@ Built-in fusers register on import, in this order, the same way an extension wou
 (exact), reuse, blend (CacheBlend, the paper baseline) and legolink (EPIC's baseline).
 """
 
+# The built-ins register in this order, which is the order of the modes wherever they are listed.
+# isort: off
+from kvfuse.fuse.exact import Full, Prefix
+from kvfuse.fuse.kvreuse import Reuse, reuse
 from kvfuse.fuse.cacheblend import DEFAULT_FILTER_LAYERS, DEFAULT_RATIO, Blend, blend, keep_schedule
+from kvfuse.fuse.epic import DEFAULT_HEAD_TOKENS, Legolink, legolink
+# isort: on
 from kvfuse.fuse.core import (
     Deviation,
     Fused,
@@ -15,9 +21,6 @@ from kvfuse.fuse.core import (
     precompute_chunk,
     prefill,
 )
-from kvfuse.fuse.epic import DEFAULT_HEAD_TOKENS, Legolink, legolink
-from kvfuse.fuse.exact import Full, Prefix  # noqa: I001 (registration order is the modes' order)
-from kvfuse.fuse.kvreuse import Reuse, reuse
 from kvfuse.fuse.registry import FUSERS, FuseContext, Fuser, get_fuser, modes, register_fuser
 
 __all__ = [

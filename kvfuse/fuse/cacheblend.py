@@ -69,6 +69,9 @@ class Blend:
         r = DEFAULT_RATIO if ratio is None else ratio
         return blend(model, layout, r, filter_layers=self.filter_layers, ctx=ctx)
 
+    def label(self, ratio: float | str | None) -> str:
+        return self.name if ratio is None else f"{self.name}@{ratio}"
+
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         if arg is None:

@@ -39,6 +39,9 @@ class Legolink:
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         return legolink(model, layout, self.head_tokens, ctx)
 
+    def label(self, ratio: float | str | None) -> str:
+        return f"{self.name}@{self.head_tokens}"
+
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         if arg is None:

@@ -30,6 +30,9 @@ class Full(_Prefill):
     name: ClassVar[str] = "full"
     reads: ClassVar[Reads] = "nothing"
 
+    def label(self, ratio: float | str | None) -> str:
+        return self.name
+
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         no_arg(cls.name)(arg)
@@ -41,6 +44,9 @@ class Full(_Prefill):
 class Prefix(_Prefill):
     name: ClassVar[str] = "prefix"
     reads: ClassVar[Reads] = "prefix"
+
+    def label(self, ratio: float | str | None) -> str:
+        return self.name
 
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:

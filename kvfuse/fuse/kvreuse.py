@@ -28,6 +28,9 @@ class Reuse:
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         return reuse(model, layout, ctx)
 
+    def label(self, ratio: float | str | None) -> str:
+        return self.name
+
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         no_arg(cls.name)(arg)

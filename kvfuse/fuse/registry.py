@@ -42,6 +42,10 @@ class Fuser(Protocol):
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused: ...
 
+    def label(self, ratio: float | str | None) -> str:
+        """The spec that names this fuser with its options and ratio (`blend@0.15`, `legolink@16`)."""
+        ...
+
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         """The fuser and ratio a spec `NAME@ARG` names (ARG absent: None)."""

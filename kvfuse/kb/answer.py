@@ -106,7 +106,7 @@ def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = N
         salts += (SaltSpan(len(plan.ids), OPEN_END, Salt(tenant=tenant)),)
     req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=Salt.of_tenant(tenant))
     mode = mode or ("blend" if chunks else "prefix")
-    return Prepared(plan, req, mode, ratio, question, tuple(passages), tuple(documents),
+    return Prepared(plan, req, mode, ratio if chunks else None, question, tuple(passages), tuple(documents),
                     tuple(suffix) if suffix is not None else None, tuple(after_prefix))
 
 

@@ -37,6 +37,7 @@ class ChatTemplate:
     system_turns: bool = False  # False: system text opens the first user turn (Gemma has no system role)
     content_prefix: str = ""  # between a turn's opening and its text
     capitalize_roles: bool = False
+    developer_as_system: bool = False  # a developer message is rendered as a system turn (Jinja templates)
 
     @classmethod
     def for_model(cls, model_type: str, tok: object) -> ChatTemplate:
@@ -59,7 +60,7 @@ class ChatTemplate:
             if role in ("system", "developer") and not self.system_turns:
                 pending.append(content)
                 continue
-            if role == "developer":
+            if role == "developer" and self.developer_as_system:
                 role = "system"
             if role == "user" and pending:
                 content = "\n\n".join(pending + [content])
@@ -119,7 +120,8 @@ def from_jinja(tok: object) -> ChatTemplate | None:
     gen = with_gen[len(text):]
     marker = close.strip()
     t = ChatTemplate(open_turn=open_turn, close_turn=close, assistant_role="assistant",
-                     stop_marker=marker or None, stop_strings=() if marker else ("\nuser",), system_turns=True)
+                     stop_marker=marker or None, stop_strings=() if marker else ("\nuser",), system_turns=True,
+                     developer_as_system=True)
     probe = list(zip(roles, _PROBE, strict=True))
     if t.render(probe) != text[start:] or gen != t.open_turn.format(role="assistant"):
         return None  # turn-by-turn rendering would not reproduce the checkpoint's own

@@ -47,8 +47,14 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     planned = plan_request(state, body, state.principal(request), chat)
     kb, prep = planned.kb, planned.prep
     if kb is not None and prep is not None and answer.needs_warming(kb, prep):
-        # a cold prefix is built as a barrier job, before this request starts, never inside a running batch
-        planned.built, planned.build_s = await on_worker(state, lambda: answer.warm(kb, prep, chunks=False))
+        # a cold prefix is built as a barrier job, before this request starts, never inside a running batch,
+        # on the knowledge base as it is then (an edit queued before it may have changed the plan)
+        def build() -> tuple[answer.Prepared, tuple[int, float]]:
+            fresh = answer.refresh(kb, prep)
+            return fresh, answer.warm(kb, fresh, chunks=False)
+
+        fresh, (planned.built, planned.build_s) = await on_worker(state, build)
+        planned.prep, planned.request = fresh, fresh.request
     streaming = bool(body.stream)
     try:
         job = state.worker.submit(lambda cancel, emit: Generating(state, planned, cancel, emit, streaming))
