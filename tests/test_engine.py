@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from conftest import rand_ids
@@ -228,3 +230,20 @@ def test_decoding_in_the_prefill_buffers_equals_decoding_a_copy(tiny_engines, mo
         assert torch.equal(pre.fused.cache.k, prompt_k)  # the prompt's cache (written back later) is intact
         short = Slot(e.model, pre.fused.cache, 7, pre.fused.buffers)  # too little room: copies
         assert short.k.data_ptr() != pre.fused.buffers[0].data_ptr() and short.k.shape[2] == len(req) + 7
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_query_aware_is_a_mode_like_the_others(tiny_engines, family: str) -> None:
+    """A fuser added to the registry is reachable by name through the engine and as an eval spec."""
+    from kvfuse.eval.methods import parse_methods
+
+    e = tiny_engines[family]
+    req = _request(8)
+    e.precompute(req, "queryaware")
+    full = e.generate(req, "full", params=GREEDY)
+    whole = e.generate(req, "queryaware", 1.0, params=GREEDY)
+    some = e.generate(req, "queryaware", 0.3, params=GREEDY)
+    n = sum(len(c) for c in req.chunks)
+    assert (whole.first_logits - full.first_logits).abs().max() < 1e-4 and whole.counts.recomputed == n
+    assert some.counts.recomputed == math.ceil(0.3 * n) and some.ratio == 0.3 and some.mode == "queryaware"
+    assert [m.name for m in parse_methods("queryaware@0.15,queryaware@1")] == ["queryaware@0.15", "queryaware@1.0"]

@@ -126,3 +126,28 @@ def test_kv_deviation_is_zero_for_identical_kv() -> None:
 def _fused_layout(m, prefix, caches, chunks, suffix) -> fuse.FuseLayout:  # type: ignore[no-untyped-def]
     """prefix as an exact cache, then the chunk caches and their ids, then the suffix."""
     return fuse.FuseLayout.of(fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix), [_t(c) for c in chunks])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_aware_bounds_and_selection(models, family: str) -> None:
+    """queryaware@1.0 recomputes everything (full prefill); @0 is plain reuse; in between, the tokens
+    recomputed on every layer are exactly the top ones by the suffix's attention over the reused cache."""
+    m = models[family]
+    prefix, chunks, suffix = _layout(4)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    _assert_close(fuse.query_aware(m, layout, 1.0).logits, full.logits, f"{family} queryaware@1", 1e-4)
+    _assert_close(fuse.query_aware(m, layout, 0.0).logits, fuse.reuse(m, layout).logits, f"{family} @0", 1e-5)
+    from kvfuse.fuse.queryaware import suffix_attention
+
+    score, _ = suffix_attention(m, layout)
+    n = sum(len(c) for c in chunks)
+    assert score.shape == (n,) and bool((score >= 0).all()) and float(score.sum()) > 0
+    out = fuse.query_aware(m, layout, 0.3)
+    top = set(torch.topk(score, math.ceil(0.3 * n)).indices.tolist())
+    assert all(set(sel.tolist()) == top for sel in out.selected)  # one set, on every layer
+    glob, _ = suffix_attention(m, layout, "global")
+    windows = [m.cfg.window(i) for i in range(m.cfg.num_layers)]
+    if any(windows) and not all(windows):  # only the full layers count
+        assert not torch.allclose(glob, score)

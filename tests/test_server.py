@@ -296,7 +296,7 @@ def test_openapi_is_served(srv) -> None:
 
     mode = spec["components"]["schemas"]["KvfuseOptions"]["properties"]["mode"]
     assert [a for a in mode["anyOf"] if "enum" in a][0]["enum"] == list(modes()) == ["full", "prefix", "reuse", "blend",
-                                                                                 "legolink"]  # the registry
+                                                                                 "legolink", "queryaware"]
 
 
 def test_tenants_never_hit_each_others_prompts(srv) -> None:

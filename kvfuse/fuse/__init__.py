@@ -1,7 +1,8 @@
 """Building a request's KV cache: the layer loop (`core`) and the registered fusers.
 
 Built-in fusers register on import, in this order, the same way an extension would: full and prefix
-(exact), reuse, blend (CacheBlend, the paper baseline) and legolink (EPIC's baseline).
+(exact), reuse, blend (CacheBlend, the paper baseline), legolink (EPIC's baseline) and queryaware
+(ProphetKV-style selection by the question's attention).
 """
 
 # The built-ins register in this order, which is the order of the modes wherever they are listed.
@@ -10,6 +11,7 @@ from kvfuse.fuse.exact import Full, Prefix
 from kvfuse.fuse.kvreuse import Reuse, reuse
 from kvfuse.fuse.cacheblend import DEFAULT_FILTER_LAYERS, DEFAULT_RATIO, Blend, blend, keep_schedule
 from kvfuse.fuse.epic import DEFAULT_HEAD_TOKENS, Legolink, legolink
+from kvfuse.fuse.queryaware import QueryAware, query_aware
 # isort: on
 from kvfuse.fuse.core import (
     Deviation,
@@ -37,6 +39,7 @@ __all__ = [
     "Fuser",
     "Legolink",
     "Prefix",
+    "QueryAware",
     "Rerotate",
     "Reuse",
     "blend",
@@ -48,6 +51,7 @@ __all__ = [
     "modes",
     "precompute_chunk",
     "prefill",
+    "query_aware",
     "register_fuser",
     "reuse",
 ]

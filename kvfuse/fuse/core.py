@@ -35,6 +35,9 @@ from kvfuse.rope import rerotate_into
 Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], None]
 # (k_new, v_new, k_old, v_old) -> per-token deviation (T,); swap it for ablations (random choice, say)
 Deviation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, q, q_rows, keys, key_positions): sees each layer's queries, at their positions, and all its keys
+# (kv_heads, total, head_dim) once they are in place; query-aware selection reads the suffix's attention here
+Observe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -211,6 +214,7 @@ def fuse_chunks(
     rotate: Rerotate = rerotate_into,
     loader: LayerLoader | None = None,
     room: int = 0,
+    observe: Observe | None = None,
 ) -> Fused:
     """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
@@ -219,7 +223,8 @@ def fuse_chunks(
     zero is plain reuse, and needs no chunk ids). Chunk layers come through `loader` (default: read in
     place, nothing ahead), one layer at a time. `candidates` (sorted chunk-token indices) replaces
     "every chunk token" as layer 0's set; `deviation` replaces `kv_deviation` as the score the kept
-    tokens are ranked by; `room` reserves token slots for decoding, as in `prefill`."""
+    tokens are ranked by; `room` reserves token slots for decoding, as in `prefill`; `observe` sees each
+    layer's queries and keys (it changes nothing)."""
     chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
@@ -275,6 +280,8 @@ def fuse_chunks(
             else:
                 q, k, v = model.project(i, h, rows)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
+            if observe is not None:
+                observe(i, q, q_rows, k_buf[i, :, :total], pos_all)
             h = model.finish(i, h, model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
             cand = cand[top]
             selected.append(cand)

@@ -1,0 +1,116 @@
+"""Query-aware selection (ProphetKV-style, arXiv 2602.02579): let the question say which chunk tokens
+matter, then recompute those on every layer.
+
+Pass 1 is plain reuse: the prefix tail and the suffix are computed over the reused, re-rotated chunk
+caches, and on every counted layer the suffix's attention over each chunk token is summed over heads and
+suffix tokens. Pass 2 recomputes the top `ratio` of chunk tokens by that score on every layer, as one
+fixed set (legolink's schedule with a chosen set), reading the chunk layers pass 1 already read.
+
+Which layers count (`layers`): "all", or "global" (the full-attention layers of a sliding-window model,
+such as 3 of Gemma 3 270M's 18, where the question sees only the last 512 tokens on the others; on a
+model without sliding layers, or with no full-attention layer, the two are the same). Cost: the suffix twice, plus ratio of the chunk
+tokens on every layer; at 0.15 that is about as much as blend@0.15's gradual filtering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, register_fuser
+from kvfuse.loader import LayerLoader
+from kvfuse.model import Decoder
+from kvfuse.request import parse_ratio
+
+DEFAULT_RATIO = 0.15
+
+
+class _Read:
+    """A chunk's layers as pass 1 read them, served again to pass 2 (nothing is read twice)."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
+        self.layers, self.positions = layers, positions
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[i]
+
+
+def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "all",
+                     ctx: FuseContext = IN_PLACE) -> tuple[torch.Tensor, LayerLoader]:
+    """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
+    heads and suffix queries, from a reuse pass; and the loader that read the chunk layers."""
+    cfg = model.cfg
+    full = {i for i in range(cfg.num_layers) if cfg.window(i) is None}
+    counted = full if layers == "global" and full else set(range(cfg.num_layers))  # no full layer: all count
+    start = sum(len(c) for c in layout.prefix) + int(layout.prefix_tail.shape[0])
+    n = start + layout.chunk_tokens
+    score = torch.zeros(layout.chunk_tokens)
+
+    def observe(i: int, q: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> None:
+        mine = q_rows >= n  # the suffix's queries
+        if i in counted and bool(mine.any()):
+            probs = model.attention_weights(i, q[:, mine], q_rows[mine], keys, k_pos)  # (heads, S, total)
+            score.add_(probs[:, :, start:n].sum(dim=(0, 1)))
+
+    loader = ctx.loader if ctx.loader is not None else LayerLoader(layout.chunks, cfg.num_layers, pipelined=False)
+    fuse_chunks(model, layout, [0] * cfg.num_layers, rotate=ctx.rotate, loader=loader, observe=observe)
+    return score, loader
+
+
+def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "all",
+                ctx: FuseContext = IN_PLACE) -> Fused:
+    """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
+    n_c = layout.chunk_tokens
+    score, loader = suffix_attention(model, layout, layers, ctx)
+    k = min(n_c, math.ceil(ratio * n_c - 1e-9))
+    chosen = torch.topk(score, k).indices.sort().values if k else torch.empty(0, dtype=torch.int64)
+    read = [_Read([kv[c] for kv in loader.loaded], src.positions) for c, src in enumerate(layout.chunks)]
+    again = FuseLayout(layout.prefix, layout.prefix_tail, tuple(read), layout.chunk_ids, layout.suffix)
+    keep = [int(chosen.shape[0])] * model.cfg.num_layers
+    return fuse_chunks(model, again, keep, candidates=chosen, rotate=ctx.rotate, room=ctx.room)
+
+
+@register_fuser
+@dataclass(frozen=True, slots=True)
+class QueryAware:
+    """`queryaware@R`: the question's attention picks R of the chunk tokens, recomputed on every layer."""
+
+    name: ClassVar[str] = "queryaware"
+    reads: ClassVar[Reads] = "chunks"
+    exact: ClassVar[bool] = False
+    takes_ratio: ClassVar[bool] = True
+    layers: str = "all"  # "all", or "global": only the full-attention layers' attention counts
+
+    def __post_init__(self) -> None:
+        if self.layers not in ("all", "global"):
+            raise ValueError(f"layers must be 'all' or 'global', got {self.layers!r}")
+
+    def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
+        return query_aware(model, layout, DEFAULT_RATIO if ratio is None else ratio, self.layers, ctx)
+
+    def label(self, ratio: float | str | None) -> str:
+        base = self.name if self.layers == "all" else f"{self.name}-{self.layers}"
+        return base if ratio is None else f"{base}@{ratio}"
+
+    @classmethod
+    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
+        if arg is None:
+            raise ValueError("queryaware needs a ratio: queryaware@0.15")
+        try:
+            return cls(), parse_ratio(arg)
+        except ValueError as e:
+            raise ValueError(f"queryaware@{arg}: {e}") from None
