@@ -27,8 +27,10 @@ def test_build_ask_and_reload_in_a_second_process(real_store, capsys) -> None:
     assert a["group"] == "support" and a["kb_version"] == built["kb_version"]
     assert a["tokens"]["cached"] == built["tokens_total"] // 16 * 16 and a["cached_token_share"] > 0.99
     assert set(a["cost_units"]) == {"write", "read", "uncached", "total"} and a["cost_units"]["write"] == 0
+    assert a["finish_reason"] in ("stop", "length") and a["answer"]  # the answer is never cut to nothing
     for c in a["citations"]:
-        assert set(c) >= {"doc_id", "quote", "verified", "start", "end"}
+        assert set(c) >= {"doc_id", "quote", "verified", "start", "end", "state"}
+        assert c["verified"] == (c["state"] == "verified")  # a passage found by search is never "verified"
         if c["verified"]:  # a verified quote is really in that document, at those offsets
             from kvfuse.kb.manifest import load_manifest
 

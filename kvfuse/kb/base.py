@@ -94,7 +94,7 @@ class KnowledgeBase:
     # -- asking ------------------------------------------------------------------------------------
 
     def ask(self, question: str, group: str, tenant: str | None = None, chunks: Sequence[IndexChunk] = (),
-            ratio: Ratio = None, max_tokens: int = 32, quote: bool = True) -> pipeline.Answer:
+            ratio: Ratio = None, max_tokens: int = pipeline.ANSWER_TOKENS, quote: bool = True) -> pipeline.Answer:
         return pipeline.ask(self, question, group, tenant, chunks, ratio, max_tokens, quote)
 
     def usage(self) -> dict[str, Any]:
