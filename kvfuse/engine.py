@@ -194,7 +194,7 @@ class Engine:
         profiled = self.controller.profile.tiers
         if tier not in profiled:  # a tier the profile has not measured: decide as for the slowest one it has
             tier = min(profiled, key=lambda t: profiled[t].read_bytes_per_s)
-        decision = self.controller.decide(reused, tier, fixed)
+        decision = self.controller.decide(reused, tier, fixed, fuser.name)
         return decision.ratio, decision
 
     # -- decoding ----------------------------------------------------------------------------------

@@ -52,14 +52,16 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp
 def attach_controller(engine: Engine, store: Path | None, measure: bool = True, floor: float = DEFAULT_FLOOR,
                       costs: dict[str, float] | None = None) -> None:
     """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
-    requests always get one, so their results say what the controller predicted)."""
+    requests always get one, so their results say what the controller predicted), with the model's
+    calibrated floors where `kvfuse calibrate` measured them."""
     from kvfuse.control.policy import Controller
-    from kvfuse.control.profile import load_or_profile, profile_path
+    from kvfuse.control.profile import load_calibration, load_or_profile, profile_path
     from kvfuse.weights import cache_dir
 
     if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
         return
-    engine.controller = Controller(load_or_profile(engine, cache_dir(), store, costs=costs), floor)
+    calibration = load_calibration(cache_dir(), engine.fingerprint)  # `kvfuse calibrate`'s floors, if measured
+    engine.controller = Controller(load_or_profile(engine, cache_dir(), store, costs=costs), floor, calibration)
 
 
 def open_kb(path: str, opened: Opened, store: str | Path | None) -> KnowledgeBase:

@@ -64,3 +64,57 @@ def test_engine_ratio_auto(tiny_models) -> None:
     assert out.controller.ratio == pytest.approx(0.6) and out.ratio == out.controller.ratio
     fixed = e.generate(req, "blend", 0.2)
     assert fixed.controller is not None and fixed.controller.ratio == 0.2
+
+
+def test_a_calibrated_floor_is_the_smallest_ratio_that_reaches_the_target() -> None:
+    from kvfuse.control.policy import Calibration, CurvePoint
+
+    pts = (CurvePoint(0.05, 0.09, 0.6, 0.1), CurvePoint(0.15, 0.04, 0.8, 0.2), CurvePoint(0.3, 0.015, 0.9, 0.35),
+           CurvePoint(0.5, 0.01, 1.0, 0.55))
+    never = (CurvePoint(0.1, 0.2, 0.5, 0.1), CurvePoint(0.5, 0.05, 0.8, 0.5))
+    cal = Calibration("m", 0.02, {"blend": never, "queryaware": pts})
+    assert cal.floor("queryaware") == 0.3 and cal.reaches_target("queryaware")
+    assert cal.floor("blend") == 0.5 and not cal.reaches_target("blend")  # none reaches it: the highest ratio
+    assert cal.floor("legolink") is None
+    assert cal.predicted_kl("queryaware", 0.1) == pytest.approx(0.065) and cal.predicted_kl("queryaware", 0.9) == 0.01
+    assert Calibration.from_json(cal.to_json()) == cal
+    ctl = Controller(_profile(), floor=0.15, calibration=cal)
+    d = ctl.decide(1000, "memory", fuser="queryaware")  # loading is fast: the calibrated floor decides
+    assert d.ratio == 0.3 and d.floor == 0.3 and d.predicted_kl == pytest.approx(0.015) and d.fuser == "queryaware"
+    assert ctl.decide(1000, "memory", fuser="legolink").ratio == 0.15  # not calibrated: the fixed floor
+    assert set(d.as_dict()) >= {"ratio", "tier", "fuser", "floor", "predicted_kl"}
+
+
+def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_path) -> None:
+    """`eval.calibrate` on a tiny model: at ratio 1.0 every fuser equals full (KL 0); the floor it
+    stores is what ratio 'auto' then keeps above, and the answer reports it."""
+    from chartok import CharTokenizer
+
+    from kvfuse.control.profile import load_calibration, save_calibration
+    from kvfuse.eval.calibrate import calibrate
+    from kvfuse.eval.data import cases_from
+
+    root, _ = tiny_models["llama"]
+    lm = load_model(root)
+    e = Engine(lm.model, lm.fingerprint)
+    raw = [{"question": f"Who is number {i}?", "answers": ["x"],
+            "ctxs": [{"title": "A", "text": "Ada lives at number 4 on the hill."},
+                     {"title": "B", "text": f"The person at number {i} is Ada."}]} for i in range(2)]
+    tok = CharTokenizer()
+    cal = calibrate(e, tok, cases_from(raw, "test"), ["blend", "queryaware"], (0.0, 0.5, 1.0), 0.01,  # type: ignore[arg-type]
+                    answer_tokens=3)
+    for f in ("blend", "queryaware"):
+        curve = cal.curves[f]
+        assert [p.ratio for p in curve] == [0.0, 0.5, 1.0]
+        assert curve[-1].kl < 1e-6 and curve[-1].first_token_agreement == 1
+        assert curve[0].kl > curve[-1].kl and cal.floor(f) == next(p.ratio for p in curve if p.kl <= 0.01)
+    assert load_calibration(tmp_path, e.fingerprint) is None
+    save_calibration(cal, tmp_path)
+    assert load_calibration(tmp_path, e.fingerprint) == cal
+    e.controller = Controller(_profile(), floor=0.0, calibration=cal)
+    req = Request(prefix=(1,) + rand_ids(4, 50), chunks=(rand_ids(20, 51), rand_ids(15, 52)), suffix=rand_ids(4, 53))
+    from kvfuse.sampling import SamplingParams
+
+    g = e.generate(req, "queryaware", "auto", SamplingParams(max_tokens=1))
+    assert g.controller is not None and g.controller.fuser == "queryaware"
+    assert g.ratio == g.controller.ratio >= cal.floor("queryaware") == g.controller.floor  # type: ignore[operator]

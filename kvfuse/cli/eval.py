@@ -34,6 +34,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_eval)
 
+    c = sub.add_parser("calibrate", help="measure each fuser's fidelity against cost on this model; ratio auto's "
+                                         "floor becomes the smallest ratio that reaches the target")
+    c.add_argument("--model", default=None, help="local HF checkpoint dir or packaged model (default: Gemma 3 270M)")
+    c.add_argument("--cases", type=int, default=8, help="calibration cases, generated (never the eval data)")
+    c.add_argument("--seed", type=int, default=None, help="the calibration set's seed (default: its own, 1234)")
+    c.add_argument("--fusers", default="blend,queryaware", help="comma-separated fusers that take a ratio")
+    c.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3,0.5")
+    c.add_argument("--target-kl", type=float, default=None, help="the fidelity target (default 0.02)")
+    c.add_argument("--answer-tokens", type=int, default=8, help="tokens of full's answer teacher-forced")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_calibrate)
+
 
 def _need(args: argparse.Namespace, *names: str) -> None:
     missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) in (None, "")]
@@ -112,4 +124,39 @@ def _crosschunk(args: argparse.Namespace) -> int:
     for c in cases:
         kinds[c["kind_of_question"]] = kinds.get(c["kind_of_question"], 0) + 1
     print(json.dumps({"out": str(out), "cases": len(cases), "kinds": kinds}))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvfuse.control.policy import DEFAULT_TARGET_KL
+    from kvfuse.control.profile import save_calibration
+    from kvfuse.eval.calibrate import DEFAULT_SEED, calibrate
+    from kvfuse.eval.crosschunk import make_cases
+    from kvfuse.eval.data import cases_from
+    from kvfuse.fuse import FUSERS
+    from kvfuse.weights import cache_dir
+
+    fusers = [f.strip() for f in args.fusers.split(",") if f.strip()]
+    bad = [f for f in fusers if f not in FUSERS or not FUSERS[f].takes_ratio]
+    if bad or not fusers:
+        known = ", ".join(n for n, f in FUSERS.items() if f.takes_ratio)
+        raise SystemExit(f"kvfuse: --fusers takes fusers that use a ratio ({known}), got {args.fusers!r}")
+    try:
+        ratios = sorted({float(r) for r in args.ratios.split(",") if r.strip()})
+    except ValueError:
+        raise SystemExit(f"kvfuse: --ratios takes numbers like 0.05,0.15, got {args.ratios!r}") from None
+    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
+        raise SystemExit("kvfuse: --ratios must be numbers between 0 and 1")
+    target = DEFAULT_TARGET_KL if args.target_kl is None else args.target_kl
+    if target <= 0 or args.cases <= 0 or args.answer_tokens <= 0:
+        raise SystemExit("kvfuse: --target-kl, --cases and --answer-tokens must be positive")
+    engine, tok, name = _engine(args.model)
+    seed = DEFAULT_SEED if args.seed is None else args.seed
+    cases = cases_from(make_cases(args.cases, seed, lambda text: len(tok.encode(text))), "the calibration set")
+    cal = calibrate(engine, tok, cases, fusers, ratios, target, args.answer_tokens, seed, progress=not args.quiet)
+    path = save_calibration(cal, cache_dir())
+    print(json.dumps({"model": name, "out": str(path), "target_kl": target, "cases": len(cases), "seed": seed,
+                      "floors": {f: cal.floor(f) for f in cal.curves},
+                      "reaches_target": {f: cal.reaches_target(f) for f in cal.curves},
+                      "curves": cal.to_json()["curves"]}))
     return 0

@@ -17,6 +17,7 @@ that neither LMCache nor the CacheBlend code implements.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEFAULT_FLOOR = 0.15
@@ -64,23 +65,98 @@ class Profile:
         )
 
 
+DEFAULT_TARGET_KL = 0.02  # the fidelity a calibrated floor must reach: teacher-forced KL(full || fused)
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    """One fuser at one ratio on the calibration set: mean teacher-forced KL to full, first-token
+    agreement, and the median TTFT ratio to full."""
+
+    ratio: float
+    kl: float
+    first_token_agreement: float
+    ttft_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Each fuser's fidelity-against-cost curve on one model, measured by `kvfuse calibrate` on a
+    calibration set generated for it (never the eval data). A fuser's floor is the smallest ratio
+    whose KL reaches the target, or its highest measured ratio when none does."""
+
+    model: str  # fingerprint
+    target_kl: float
+    curves: dict[str, tuple[CurvePoint, ...]]  # by fuser name, ascending ratio
+    cases: int = 0
+    seed: int = 0
+
+    def floor(self, fuser: str) -> float | None:
+        """The calibrated floor of that fuser (None: not calibrated)."""
+        curve = self.curves.get(fuser)
+        if not curve:
+            return None
+        return next((p.ratio for p in curve if p.kl <= self.target_kl), curve[-1].ratio)
+
+    def reaches_target(self, fuser: str) -> bool:
+        return any(p.kl <= self.target_kl for p in self.curves.get(fuser, ()))
+
+    def predicted_kl(self, fuser: str, ratio: float) -> float | None:
+        """The KL the curve predicts at that ratio (linear between measured ratios, clamped at the ends)."""
+        curve = self.curves.get(fuser)
+        if not curve:
+            return None
+        if ratio <= curve[0].ratio:
+            return curve[0].kl
+        for a, b in zip(curve, curve[1:], strict=False):
+            if ratio <= b.ratio:
+                return a.kl + (b.kl - a.kl) * (ratio - a.ratio) / (b.ratio - a.ratio)
+        return curve[-1].kl
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "target_kl": self.target_kl, "cases": self.cases, "seed": self.seed,
+                "curves": {f: [asdict(p) for p in c] for f, c in self.curves.items()},
+                "floors": {f: self.floor(f) for f in self.curves}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Calibration:
+        curves = {f: tuple(sorted((CurvePoint(**p) for p in c), key=lambda p: p.ratio)) for f, c in d["curves"].items()}
+        return cls(d["model"], float(d["target_kl"]), curves, int(d.get("cases", 0)), int(d.get("seed", 0)))
+
+
+def calibration_path(cache_dir: Path, model_fp: str) -> Path:
+    return cache_dir / "calibration" / f"{model_fp[:16]}.json"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     ratio: float
     tier: str
     predicted_load_s: float
     predicted_recompute_s: float
+    fuser: str = "blend"
+    floor: float = DEFAULT_FLOOR  # the quality floor the ratio was kept above (calibrated, or the default)
+    predicted_kl: float | None = None  # the calibration's predicted fidelity at this ratio, if calibrated
 
     def as_dict(self) -> dict[str, Any]:
         return {"ratio": round(self.ratio, 4), "tier": self.tier, "predicted_load_s": round(self.predicted_load_s, 6),
-                "predicted_recompute_s": round(self.predicted_recompute_s, 6)}
+                "predicted_recompute_s": round(self.predicted_recompute_s, 6), "fuser": self.fuser,
+                "floor": round(self.floor, 4),
+                "predicted_kl": round(self.predicted_kl, 5) if self.predicted_kl is not None else None}
 
 
 class Controller:
-    def __init__(self, profile: Profile, floor: float = DEFAULT_FLOOR) -> None:
+    """ratio = max(load / full prefill, floor): the floor is the fuser's calibrated one when a
+    calibration of this model has that fuser, else the fixed `floor`."""
+
+    def __init__(self, profile: Profile, floor: float = DEFAULT_FLOOR, calibration: Calibration | None = None) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"the ratio floor must be between 0 and 1, got {floor}")
-        self.profile, self.floor = profile, floor
+        self.profile, self.floor, self.calibration = profile, floor, calibration
+
+    def floor_for(self, fuser: str) -> float:
+        calibrated = self.calibration.floor(fuser) if self.calibration is not None else None
+        return self.floor if calibrated is None else calibrated
 
     def _tier(self, tier: str) -> TierProfile:
         try:
@@ -88,13 +164,15 @@ class Controller:
         except KeyError:
             raise ValueError(f"unknown tier {tier!r}; profiled tiers: {', '.join(self.profile.tiers)}") from None
 
-    def decide(self, n_tokens: int, tier: str, ratio: float | None = None) -> Decision:
+    def decide(self, n_tokens: int, tier: str, ratio: float | None = None, fuser: str = "blend") -> Decision:
         """The ratio for n reused tokens loaded from `tier` (or the predictions for a fixed ratio)."""
         full = self.profile.prefill_cost(n_tokens) * n_tokens
         load = self.profile.kv_bytes_per_token * n_tokens / self._tier(tier).read_bytes_per_s
+        floor = self.floor_for(fuser)
         if ratio is None:
-            ratio = min(1.0, max(load / full if full > 0 else 1.0, self.floor))
-        return Decision(ratio, tier, load, ratio * full)
+            ratio = min(1.0, max(load / full if full > 0 else 1.0, floor))
+        kl = self.calibration.predicted_kl(fuser, ratio) if self.calibration is not None else None
+        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl)
 
     def ratio_by_tier(self, n_tokens: int) -> dict[str, float]:
         return {t: round(self.decide(n_tokens, t).ratio, 4) for t in self.profile.tiers}

@@ -1,5 +1,6 @@
 """Measuring the controller's profile: full prefills at a few lengths and a read from each tier, once
-per model and machine, kept under the cache dir. It needs an engine; the policy (`control.policy`) does not."""
+per model and machine, kept under the cache dir. It needs an engine; the policy (`control.policy`) does not.
+A model's calibration (`kvfuse calibrate`, measured by `eval.calibrate`) is kept beside it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfuse.control.policy import DEFAULT_COST_PER_GB, Profile, TierProfile
+from kvfuse.control.policy import DEFAULT_COST_PER_GB, Calibration, Profile, TierProfile, calibration_path
 
 if TYPE_CHECKING:
     from kvfuse.engine import Engine
@@ -91,3 +92,20 @@ def _copy_rate(cache: Any) -> float:
         cache.clone()
         times.append(time.perf_counter() - t0)
     return float(cache.nbytes / min(times))
+
+
+def save_calibration(cal: Calibration, cache_dir: Path) -> Path:
+    path = calibration_path(cache_dir, cal.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cal.to_json(), indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(cache_dir: Path, model_fp: str) -> Calibration | None:
+    """This model's calibration, if one was measured (a damaged file reads as none)."""
+    try:
+        return Calibration.from_json(json.loads(calibration_path(cache_dir, model_fp).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

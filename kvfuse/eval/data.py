@@ -59,6 +59,11 @@ def _mean_words(answers: list[str]) -> float:
     return sum(len(a.split()) for a in answers) / len(answers)
 
 
+def cases_from(raw: list[Any], where: str) -> list[Case]:
+    """Validated cases from already-parsed data (a generated set, say)."""
+    return [_case(i, r, where) for i, r in enumerate(raw)]
+
+
 def load_cases(path: str | Path, cases: int | None = None, offset: int = 0) -> list[Case]:
     """Read, validate and select cases[offset : offset + cases]."""
     p = Path(path)

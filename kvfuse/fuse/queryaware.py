@@ -8,8 +8,8 @@ fixed set (legolink's schedule with a chosen set), reading the chunk layers pass
 
 Which layers count (`layers`): "all", or "global" (the full-attention layers of a sliding-window model,
 such as 3 of Gemma 3 270M's 18, where the question sees only the last 512 tokens on the others; on a
-model without sliding layers, or with no full-attention layer, the two are the same). Cost: the suffix twice, plus ratio of the chunk
-tokens on every layer; at 0.15 that is about as much as blend@0.15's gradual filtering.
+model without sliding layers, or with no full-attention layer, the two are the same). Cost: the suffix
+twice, plus ratio of the chunk tokens on every layer; at 0.15 about as much as blend@0.15's schedule.
 """
 
 from __future__ import annotations
