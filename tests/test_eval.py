@@ -99,7 +99,8 @@ def _cases(tmp_path):  # type: ignore[no-untyped-def]
 
 def test_harness_end_to_end_on_a_tiny_model(tiny_engines, tmp_path) -> None:
     engine = tiny_engines["gemma3"]
-    methods = parse_methods("full,prefix,reuse,blend@0.3,blend@1.0,legolink@4,mapreduce,maprerank")
+    methods = parse_methods("full,prefix,reuse,blend@0.3,blend@1.0,blend@0.15,legolink@4,queryaware@0.3,default,"
+                            "mapreduce,maprerank")
     res = run_eval(engine, CharTokenizer(), _cases(tmp_path), methods, EvalSettings(top_k=3, chunk_tokens=60,
                    max_tokens=6), "tiny", "cases.json", progress=False)
     assert set(res) >= {"model", "data", "cases", "top_k", "methods", "per_case"}
@@ -119,7 +120,10 @@ def test_harness_end_to_end_on_a_tiny_model(tiny_engines, tmp_path) -> None:
         assert len(case["chunk_tokens"]) == 3 and max(case["chunk_tokens"]) <= 62
     paths = write_outputs(res, tmp_path / "out")
     names = {p.name for p in paths}
-    assert names == {"results.json", "report.md", "quality_vs_ttft.png", "ratio_sensitivity.png"}
+    assert names == {"results.json", "report.md", "quality_vs_ttft.png", "ratio_sensitivity.png",
+                     "fidelity_vs_ttft.png"}
+    default, plain = res["methods"]["default"], res["methods"]["blend@0.15"]  # no calibration: the default ratio
+    assert (default["kl"], default["recomputed_fraction"]) == (plain["kl"], plain["recomputed_fraction"])
     for p in paths:
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

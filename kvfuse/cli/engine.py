@@ -12,14 +12,14 @@ from kvfuse.runtime import DEFAULT_FLOOR, attach_controller, open_engine, store_
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvfuse.fuse import modes
+    from kvfuse.fuse import DEFAULT_MODE, modes
 
     g = sub.add_parser("generate", help="answer a question over a prefix and chunks in one of the modes")
     model_flag(g)
     g.add_argument("--prefix-file", help="text placed after the instruction head, cached as a prefix")
     g.add_argument("--chunk-file", action="append", default=[], help="a chunk's text file (repeatable, in order)")
     g.add_argument("--question", required=True, help="the question (the never-cached suffix)")
-    g.add_argument("--mode", choices=list(modes()), default="blend")
+    g.add_argument("--mode", choices=list(modes()), default=DEFAULT_MODE)
     g.add_argument("--ratio", type=ratio, default=None, help=RATIO_HELP)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvfuse.fuse import FUSERS
     from kvfuse.request import ModeUnavailableError, RequestError
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import DEFAULT_STOP, Prompt, complete_answer
@@ -78,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     where = store_dir(args.store, args.no_store)
     rt = open_engine(args.model, where, args.kv_dtype)
     engine, tok = rt.engine, rt.tok
-    attach_controller(engine, where, args.mode == "blend", args.floor)
+    attach_controller(engine, where, FUSERS[args.mode].takes_ratio, args.floor)
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
     try:
         precompute_s = engine.precompute(req, args.mode)

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--cases", type=int, default=None, help="how many cases (default: all)")
     e.add_argument("--offset", type=int, default=0, help="skip this many cases first")
     e.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: full, prefix, reuse, blend@R, blend@auto, legolink@K, mapreduce, maprerank")
+                   help="comma-separated: default, full, prefix, reuse, blend@R, blend@auto, legolink@K, "
+                        "queryaware@R, mapreduce, maprerank")
     e.add_argument("--top-k", type=int, default=6, help="chunks kept per case")
     e.add_argument("--chunk-tokens", type=int, default=512, help="chunk size limit in tokens")
     e.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
@@ -85,10 +86,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
-    if any(m.name == "blend@auto" for m in methods):
+    if any(m.name.endswith("@auto") or m.name == "default" for m in methods):
         from kvfuse.runtime import attach_controller
 
-        attach_controller(engine, None)
+        # `default` uses the calibrated ratio when this model was calibrated (the controller holds it)
+        attach_controller(engine, None, measure=any(m.name.endswith("@auto") for m in methods))
     settings = EvalSettings(args.top_k, args.chunk_tokens, args.max_tokens)
     results = run_eval(engine, tok, cases, methods, settings, name, str(args.data), progress=not args.quiet)
     paths = write_outputs(results, out)

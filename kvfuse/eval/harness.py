@@ -123,7 +123,7 @@ def run_eval(engine: Engine, tok: Tokenizer, cases: Sequence[Case], methods: Seq
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
-    from kvfuse.eval.report import quality_vs_ttft, ratio_sensitivity, report_md
+    from kvfuse.eval.report import fidelity_vs_ttft, quality_vs_ttft, ratio_sensitivity, report_md
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
@@ -132,6 +132,9 @@ def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
     tmp.replace(paths[0])
     paths[1].write_text(report_md(results), encoding="utf-8")
     paths.append(quality_vs_ttft(results, out / "quality_vs_ttft.png"))
+    pareto = fidelity_vs_ttft(results, out / "fidelity_vs_ttft.png")
+    if pareto is not None:
+        paths.append(pareto)
     sens = ratio_sensitivity(results, out / "ratio_sensitivity.png")
     if sens is not None:
         paths.append(sens)

@@ -18,7 +18,7 @@ import torch
 
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
-from kvfuse.fuse import FUSERS, Fuser
+from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, get_fuser
 from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
@@ -243,6 +243,28 @@ def _fusing(name: str) -> Factory:
     return make
 
 
+@dataclass(slots=True)
+class Default:
+    """`default`: the default fuser (`fuse.DEFAULT_MODE`) at its calibrated ratio when the engine's
+    controller has a calibration of it (ratio auto), else at its default ratio; reported as `default`."""
+
+    name: str = "default"
+
+    def run(self, run: CaseRun) -> Outcome:
+        fuser = get_fuser(DEFAULT_MODE)
+        ctl = run.engine.controller
+        calibrated = ctl is not None and ctl.calibration is not None and ctl.calibration.floor(fuser.name) is not None
+        out = ChunkReuse(fuser, "auto" if calibrated else None, self.name).run(run)
+        out.extra["fuser"] = fuser.name
+        return out
+
+
+def _default(arg: str | None) -> Method:
+    _no_arg("default", arg)
+    return Default()
+
+
+register("default")(_default)
 register("full")(_full)
 register("prefix")(_prefix)
 for _name, _cls in FUSERS.items():

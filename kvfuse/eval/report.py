@@ -69,6 +69,38 @@ def quality_vs_ttft(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def fidelity_vs_ttft(results: dict[str, Any], path: Path) -> Path | None:
+    """Every fuser and ratio on one plot: KL(full || method) against TTFT as a share of full's, one line
+    per fuser (its ratios in order), and the Pareto front (no other point is both cheaper and closer)."""
+    pts = [(n, m["ttft_ratio_to_full_median"], m["kl"]) for n, m in results["methods"].items()
+           if m.get("n") and n != "full" and m.get("ttft_ratio_to_full_median") is not None and m.get("kl") is not None]
+    if not pts:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    families: dict[str, list[tuple[float, float, str]]] = {}
+    for name, x, y in pts:
+        families.setdefault(name.partition("@")[0], []).append((x, y, name))
+    for fam, xs in sorted(families.items()):
+        xs.sort()
+        ax.plot([x for x, _, _ in xs], [max(y, 1e-6) for _, y, _ in xs], "o-", label=fam)
+        for x, y, name in xs:
+            ax.annotate(name, (x, max(y, 1e-6)), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = [p for p in pts if not any(q[1] <= p[1] and q[2] <= p[2] and q != p for q in pts)]
+    front.sort(key=lambda p: p[1])
+    ax.plot([p[1] for p in front], [max(p[2], 1e-6) for p in front], "k--", lw=1, label="Pareto front")
+    ax.set_yscale("log")
+    ax.set_xlabel("TTFT / full's (median of per-case ratios)")
+    ax.set_ylabel("KL(full ‖ method), teacher-forced")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{results['cases']} cases, {results['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _summaries(results: dict[str, Any]) -> bool:
     words = [len(a.split()) for c in results["per_case"] for a in c["answers"]]
     return bool(words) and sum(words) / len(words) > 20

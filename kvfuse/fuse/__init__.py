@@ -23,11 +23,12 @@ from kvfuse.fuse.core import (
     precompute_chunk,
     prefill,
 )
-from kvfuse.fuse.registry import FUSERS, FuseContext, Fuser, get_fuser, modes, register_fuser
+from kvfuse.fuse.registry import DEFAULT_MODE, FUSERS, FuseContext, Fuser, get_fuser, modes, register_fuser
 
 __all__ = [
     "DEFAULT_FILTER_LAYERS",
     "DEFAULT_HEAD_TOKENS",
+    "DEFAULT_MODE",
     "DEFAULT_RATIO",
     "FUSERS",
     "Blend",

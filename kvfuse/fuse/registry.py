@@ -53,6 +53,9 @@ class Fuser(Protocol):
 
 
 FUSERS: dict[str, type[Fuser]] = {}
+# The mode a request with chunks gets when it names none: `generate`, `ask --index`, the server, and the
+# eval's `default` method. Still CacheBlend, the paper baseline, until issue G's measurements pick another.
+DEFAULT_MODE = "blend"
 
 
 def register_fuser(cls: type[Fuser]) -> type[Fuser]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.fuse.registry import DEFAULT_MODE
 from kvfuse.kb.manifest import Document, KBError
 from kvfuse.kb.prefix import PrefixPlan
 from kvfuse.kb.quotes import Citation, find_quote, looping, no_usable_quote, sentence_around, usable
@@ -105,7 +106,7 @@ def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = N
     if tenant:  # everything after the knowledge base is the tenant's own (a chat's turns, say): salt it
         salts += (SaltSpan(len(plan.ids), OPEN_END, Salt(tenant=tenant)),)
     req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=Salt.of_tenant(tenant))
-    mode = mode or ("blend" if chunks else "prefix")
+    mode = mode or (DEFAULT_MODE if chunks else "prefix")
     return Prepared(plan, req, mode, ratio if chunks else None, question, tuple(passages), tuple(documents),
                     tuple(suffix) if suffix is not None else None, tuple(after_prefix))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfuse.fuse import DEFAULT_MODE
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
@@ -98,7 +99,7 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         ids, question = _prompt_ids(body, tok)
         after, suffix = ([], ids) if chunks else (ids[:-1], ids[-1:])  # automatic prefix caching of the prompt
         default_max = COMPLETION_DEFAULT_MAX_TOKENS
-    mode = opts.mode or ("blend" if chunks else "prefix")
+    mode = opts.mode or (DEFAULT_MODE if chunks else "prefix")
     if opts.ratio is not None and not eng.fuser(mode).takes_ratio:
         raise ApiError(400, f"kvfuse.ratio applies only to mode 'blend' (or another mode that recomputes a share "
                             f"of the chunks), not {mode!r}.", param="kvfuse.ratio")
