@@ -20,7 +20,8 @@ def test_eval_cli_end_to_end_on_two_cases(tmp_path, capsys) -> None:
     res = json.loads((out / "results.json").read_text())
     assert res["cases"] == 2 and res["top_k"] == 6 and len(res["per_case"]) == 2
     assert [c["index"] for c in res["per_case"]] == [3, 4]
-    assert set(printed["files"]) == {"results.json", "report.md", "quality_vs_ttft.png", "ratio_sensitivity.png"}
+    assert set(printed["files"]) == {"results.json", "report.md", "quality_vs_ttft.png", "ratio_sensitivity.png",
+                                     "fidelity_vs_ttft.png"}
     m = res["methods"]
     assert m["blend@1.0"]["token_agreement"] == 1.0 and m["blend@1.0"]["kl"] < 1e-3
     assert m["blend@0.15"]["kl"] <= m["reuse"]["kl"] * 1.5  # never far worse than plain reuse
