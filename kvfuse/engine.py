@@ -148,8 +148,9 @@ class Engine:
 
     def _prefill(self, req: Request, fuser: Fuser, ratio: Ratio, room: int) -> Prefilled:
         counts, suffix = TokenCounts(prompt=len(req)), torch.tensor(req.suffix, dtype=torch.int64)
-        cacheable = list(req.prefix) + [t for c in req.chunks for t in c]
         ctx = FuseContext(self._rotate, None, room)
+        # the modes that read no chunk caches lay the chunks out as part of the prefix
+        cacheable = list(req.prefix) + [t for c in req.chunks for t in c] if fuser.reads != "chunks" else []
         if fuser.reads == "nothing":
             fused = fuser.fuse(self.model, FuseLayout.of(None, (), suffix, prefix_tail=_ids(cacheable)), None, ctx)
             counts.prefilled = len(req)

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvfuse.fuse.core import Deviation, Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, ratio_arg, register_fuser
 from kvfuse.model import Decoder
-from kvfuse.request import parse_ratio
 
 DEFAULT_RATIO = 0.15
 DEFAULT_FILTER_LAYERS = 2
@@ -74,9 +73,4 @@ class Blend:
 
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
-        if arg is None:
-            raise ValueError("blend needs a ratio: blend@0.15 or blend@auto")
-        try:
-            return cls(), parse_ratio(arg)
-        except ValueError as e:
-            raise ValueError(f"blend@{arg}: {e}") from None
+        return cls(), ratio_arg(cls.name, arg)

@@ -9,12 +9,12 @@ from typing import ClassVar
 import torch
 
 from kvfuse.fuse.core import Fused, FuseLayout, prefill
-from kvfuse.fuse.registry import FuseContext, Fuser, Reads, no_arg, register_fuser
+from kvfuse.fuse.registry import FuseContext, NoOptions, Reads, register_fuser
 from kvfuse.model import Decoder
 
 
 @dataclass(frozen=True, slots=True)
-class _Prefill:
+class _Prefill(NoOptions):
     exact: ClassVar[bool] = True
     takes_ratio: ClassVar[bool] = False
 
@@ -30,25 +30,9 @@ class Full(_Prefill):
     name: ClassVar[str] = "full"
     reads: ClassVar[Reads] = "nothing"
 
-    def label(self, ratio: float | str | None) -> str:
-        return self.name
-
-    @classmethod
-    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
-        no_arg(cls.name)(arg)
-        return cls(), None
-
 
 @register_fuser
 @dataclass(frozen=True, slots=True)
 class Prefix(_Prefill):
     name: ClassVar[str] = "prefix"
     reads: ClassVar[Reads] = "prefix"
-
-    def label(self, ratio: float | str | None) -> str:
-        return self.name
-
-    @classmethod
-    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
-        no_arg(cls.name)(arg)
-        return cls(), None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, no_arg, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, NoOptions, Reads, register_fuser
 from kvfuse.model import Decoder
 
 
@@ -19,7 +19,7 @@ def reuse(model: Decoder, layout: FuseLayout, ctx: FuseContext = IN_PLACE) -> Fu
 
 @register_fuser
 @dataclass(frozen=True, slots=True)
-class Reuse:
+class Reuse(NoOptions):
     name: ClassVar[str] = "reuse"
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
@@ -27,11 +27,3 @@ class Reuse:
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         return reuse(model, layout, ctx)
-
-    def label(self, ratio: float | str | None) -> str:
-        return self.name
-
-    @classmethod
-    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
-        no_arg(cls.name)(arg)
-        return cls(), None

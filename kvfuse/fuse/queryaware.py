@@ -22,10 +22,9 @@ from typing import ClassVar
 import torch
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, ratio_arg, register_fuser
 from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
-from kvfuse.request import parse_ratio
 
 DEFAULT_RATIO = 0.15
 
@@ -108,9 +107,4 @@ class QueryAware:
 
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
-        if arg is None:
-            raise ValueError("queryaware needs a ratio: queryaware@0.15")
-        try:
-            return cls(), parse_ratio(arg)
-        except ValueError as e:
-            raise ValueError(f"queryaware@{arg}: {e}") from None
+        return cls(), ratio_arg(cls.name, arg)

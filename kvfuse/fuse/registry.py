@@ -78,6 +78,33 @@ def get_fuser(mode: str | Fuser) -> Fuser:
     return cls()
 
 
+class NoOptions:
+    """For a fuser with no options and no ratio: its label is its name, and a spec takes no @arg."""
+
+    __slots__ = ()
+    name: ClassVar[str]
+
+    def label(self, ratio: float | str | None) -> str:
+        return self.name
+
+    @classmethod
+    def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
+        no_arg(cls.name)(arg)
+        return cls(), None  # type: ignore[return-value]
+
+
+def ratio_arg(name: str, arg: str | None) -> float | str:
+    """The ratio of a spec `NAME@R` (R a number between 0 and 1, or auto), which the fuser requires."""
+    from kvfuse.request import parse_ratio
+
+    if arg is None:
+        raise ValueError(f"{name} needs a ratio: {name}@0.15 or {name}@auto")
+    try:
+        return parse_ratio(arg)
+    except ValueError as e:
+        raise ValueError(f"{name}@{arg}: {e}") from None
+
+
 def no_arg(name: str) -> Callable[[str | None], None]:
     def check(arg: str | None) -> None:
         if arg is not None:
