@@ -34,7 +34,8 @@ class ChunkSet:
     """A request's chunk caches, opened for per-layer reads: from the store, or computed now on a miss.
 
     `stored[i]`: chunk i came from the store; `promote[i]`: from a later tier, so the layers read are
-    put into the first tier after the request; `tier`: the slowest tier any chunk is read from."""
+    put into the first tier after the request; `tier`: the slowest tier any chunk is read from;
+    `preamble`: what every one of them is computed behind."""
 
     keys: list[ChunkKey]
     sources: list[LayerSource]
@@ -42,6 +43,7 @@ class ChunkSet:
     promote: list[bool]
     tier: str
     lengths: list[int] = field(default_factory=list)
+    preamble: tuple[int, ...] = ()
 
     def stored_mask(self) -> torch.Tensor:
         """(chunk tokens,) bool: the token's KV came from the store."""
@@ -131,35 +133,45 @@ class CacheManager:
 
     # -- chunks ------------------------------------------------------------------------------------
 
-    def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None) -> ChunkKey:
-        """The store key of a chunk's cache (computed behind the preamble, in the KV dtype)."""
-        return chunk_key(self.fingerprint, self.kv_dtype, self.preamble, chunk, salt.key() if salt else "")
+    def chunk_preamble(self, fuser: Fuser, req: Request) -> tuple[int, ...]:
+        """What the fuser's chunk caches for this request are computed behind (BOS, or the request's head)."""
+        return fuse.chunk_preamble(fuser, req.prefix, self.preamble)
 
-    def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None) -> tuple[KVCache, bool]:
+    def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None,
+                  preamble: Sequence[int] | None = None) -> ChunkKey:
+        """The store key of a chunk's cache (computed behind the preamble, by default the engine's, in the
+        KV dtype)."""
+        behind = self.preamble if preamble is None else preamble
+        return chunk_key(self.fingerprint, self.kv_dtype, behind, chunk, salt.key() if salt else "")
+
+    def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None,
+                    preamble: Sequence[int] | None = None) -> tuple[KVCache, bool]:
         """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
-        key = self.chunk_key(chunk, salt)
+        key = self.chunk_key(chunk, salt, preamble)
         cache = self.store.get(key)
         if cache is not None:
             return cache, True
-        return self.compute_chunk(chunk, key), False
+        return self.compute_chunk(chunk, key, preamble), False
 
-    def compute_chunk(self, chunk: Sequence[int], key: ChunkKey) -> KVCache:
-        cache = fuse.precompute_chunk(self.model, self.preamble, chunk).to(self.kv_dtype)
+    def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None) -> KVCache:
+        behind = self.preamble if preamble is None else preamble
+        cache = fuse.precompute_chunk(self.model, behind, chunk).to(self.kv_dtype)
         self.store.put(key, cache)
         return cache
 
-    def open_chunks(self, req: Request) -> ChunkSet:
+    def open_chunks(self, req: Request, preamble: Sequence[int] | None = None) -> ChunkSet:
         """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now."""
         first = self.store.tiers[0].name
-        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks])
+        behind = tuple(self.preamble if preamble is None else preamble)
+        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], behind)
         slowest = 0
         names = [t.name for t in self.store.tiers]
         for c in req.chunks:
-            key = self.chunk_key(c, req.chunk_salt)
+            key = self.chunk_key(c, req.chunk_salt, behind)
             opened = self.store.open(key)
             out.keys.append(key)
             if opened is None:
-                out.sources.append(self.compute_chunk(c, key))
+                out.sources.append(self.compute_chunk(c, key, behind))
                 out.stored.append(False)
                 out.promote.append(False)
                 continue
@@ -185,7 +197,7 @@ class CacheManager:
             except CorruptEntryError as e:
                 for i in (i for i in lazy if chunks.keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(chunks.keys[i], str(e))
-                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i])
+                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preamble)
                     chunks.stored[i] = chunks.promote[i] = False
         raise RuntimeError("every stored chunk entry was corrupt and recomputed, yet the fusion still failed")
 
@@ -207,8 +219,9 @@ class CacheManager:
             self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin)
         else:
             self.precompute_prefix(req.prefix, req.salts, pin)
+            behind = self.chunk_preamble(fuser, req)
             for c in req.chunks:
-                key = self.chunk_key(c, req.chunk_salt)
+                key = self.chunk_key(c, req.chunk_salt, behind)
                 if key not in self.store:  # stored in any tier is enough: the request loads it
-                    self.compute_chunk(c, key)
+                    self.compute_chunk(c, key, behind)
         return time.perf_counter() - t0

@@ -170,7 +170,7 @@ class Engine:
         tail, ids = _ids(req.prefix[n_hit:]), [_ids(c) for c in req.chunks]
         counts.reused = n_hit + req.chunk_tokens
         counts.prefilled = len(req) - counts.reused
-        chunks = self.cache.open_chunks(req)
+        chunks = self.cache.open_chunks(req, self.cache.chunk_preamble(fuser, req))
         r, decision = self._ratio(fuser, ratio, counts.reused, chunks.tier)
 
         def layout(sources: Sequence[LayerSource]) -> FuseLayout:
@@ -195,7 +195,7 @@ class Engine:
         profiled = self.controller.profile.tiers
         if tier not in profiled:  # a tier the profile has not measured: decide as for the slowest one it has
             tier = min(profiled, key=lambda t: profiled[t].read_bytes_per_s)
-        decision = self.controller.decide(reused, tier, fixed, fuser.name)
+        decision = self.controller.decide(reused, tier, fixed, fuse.spec_of(fuser))
         return decision.ratio, decision
 
     # -- decoding ----------------------------------------------------------------------------------

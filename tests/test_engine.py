@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -247,3 +248,30 @@ def test_query_aware_is_a_mode_like_the_others(tiny_engines, family: str) -> Non
     assert (whole.first_logits - full.first_logits).abs().max() < 1e-4 and whole.counts.recomputed == n
     assert some.counts.recomputed == math.ceil(0.3 * n) and some.ratio == 0.3 and some.mode == "queryaware"
     assert [m.name for m in parse_methods("queryaware@0.15,queryaware@1")] == ["queryaware@0.15", "queryaware@1.0"]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_chunks_behind_the_request_head(tiny_engines, family: str) -> None:
+    """behind=head computes the chunk caches behind the request's head: separate store entries (the head is
+    part of the key), a different reuse cache, and at ratio 1.0 still exactly full prefill."""
+    from kvfuse.fuse import QueryAware, Reuse
+
+    e = tiny_engines[family]
+    req = _request(8)
+    head = QueryAware(behind="head")
+    assert e.cache.chunk_preamble(head, req) == tuple(req.prefix) != e.preamble
+    e.precompute(req, "reuse")
+    bos_keys = {e.cache.chunk_key(c, req.chunk_salt) for c in req.chunks}
+    head_keys = {e.cache.chunk_key(c, req.chunk_salt, req.prefix) for c in req.chunks}
+    assert not bos_keys & head_keys and all(k in e.store for k in bos_keys)
+    assert not any(k in e.store for k in head_keys)
+    e.precompute(req, head)
+    assert all(k in e.store for k in head_keys)
+    full = e.generate(req, "full", params=GREEDY)
+    whole = e.generate(req, head, 1.0, params=GREEDY)
+    assert (whole.first_logits - full.first_logits).abs().max() < 1e-4 and whole.counts.cached > 0
+    plain = e.generate(req, "reuse", params=GREEDY)
+    behind = e.generate(req, Reuse(behind="head"), params=GREEDY)
+    assert not torch.allclose(plain.first_logits, behind.first_logits)
+    other = replace(req, prefix=req.prefix[:1] + tuple(reversed(req.prefix[1:])))
+    assert e.cache.chunk_key(req.chunks[0], None, e.cache.chunk_preamble(head, other)) not in head_keys

@@ -141,13 +141,62 @@ def test_query_aware_bounds_and_selection(models, family: str) -> None:
     _assert_close(fuse.query_aware(m, layout, 0.0).logits, fuse.reuse(m, layout).logits, f"{family} @0", 1e-5)
     from kvfuse.fuse.queryaware import suffix_attention
 
-    score, _ = suffix_attention(m, layout)
+    score, _ = suffix_attention(m, layout, "all")
     n = sum(len(c) for c in chunks)
     assert score.shape == (n,) and bool((score >= 0).all()) and float(score.sum()) > 0
-    out = fuse.query_aware(m, layout, 0.3)
+    out = fuse.query_aware(m, layout, 0.3, layers="all")
     top = set(torch.topk(score, math.ceil(0.3 * n)).indices.tolist())
     assert all(set(sel.tolist()) == top for sel in out.selected)  # one set, on every layer
-    glob, _ = suffix_attention(m, layout, "global")
+    glob, _ = suffix_attention(m, layout)  # the default: the global layers' attention
+    by_default = fuse.query_aware(m, layout, 0.3)
+    assert set(by_default.selected[0].tolist()) == set(torch.topk(glob, math.ceil(0.3 * n)).indices.tolist())
     windows = [m.cfg.window(i) for i in range(m.cfg.num_layers)]
     if any(windows) and not all(windows):  # only the full layers count
         assert not torch.allclose(glob, score)
+    else:  # no sliding layers: every layer is global
+        assert torch.allclose(glob, score)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_aware_wide_narrows_by_deviation(models, family: str) -> None:
+    """With wide > ratio the first layers recompute the wide share by attention; the later ones keep the
+    ratio of those that deviate most (a subset); at ratio 1.0 it is still full prefill."""
+    from kvfuse.fuse.queryaware import FILTER_LAYERS, suffix_attention
+
+    m = models[family]
+    prefix, chunks, suffix = _layout(5)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    n = sum(len(c) for c in chunks)
+    out = fuse.query_aware(m, layout, 0.2, wide=0.6)
+    score, _ = suffix_attention(m, layout)
+    wide = set(torch.topk(score, math.ceil(0.6 * n)).indices.tolist())
+    sizes = [len(sel) for sel in out.selected]
+    assert sizes == [math.ceil(0.6 * n)] * FILTER_LAYERS + [math.ceil(0.2 * n)] * (m.cfg.num_layers - FILTER_LAYERS)
+    assert set(out.selected[0].tolist()) == wide and set(out.selected[-1].tolist()) < wide
+    narrow = fuse.query_aware(m, layout, 0.2)
+    assert not torch.allclose(out.logits, narrow.logits)  # the wide first layers changed something
+    _assert_close(fuse.query_aware(m, layout, 1.0, wide=1.0).logits, full.logits, f"{family} wide@1", 1e-4)
+    with pytest.raises(ValueError, match="wide"):
+        fuse.QueryAware(wide=1.5)
+
+
+def test_fuser_specs_parse_and_print_back() -> None:
+    """NAME@ARG:OPTION=VALUE names a fuser with its options; spec_of prints what parse_spec reads back."""
+    for spec in ("blend@0.15", "queryaware@0.2:wide=0.4:behind=head", "legolink@8:behind=head", "reuse:behind=head",
+                 "queryaware@auto:layers=all", "blend@0.3:filter_layers=4"):
+        fuser, ratio = fuse.parse_spec(spec)
+        again, r2 = fuse.parse_spec(fuse.spec_of(fuser, ratio))
+        assert again == fuser and r2 == ratio
+    qa, r = fuse.parse_spec("queryaware@0.2:wide=0.4:behind=head")
+    assert qa == fuse.QueryAware(wide=0.4, behind="head") and r == 0.2
+    assert fuse.spec_of(fuse.Legolink(8), None) == "legolink@8" and fuse.spec_of(fuse.Blend(), 0.15) == "blend@0.15"
+    assert fuse.parse_fuser("queryaware:behind=head") == fuse.QueryAware(behind="head")
+    for bad, msg in (("queryaware@0.2:colour=red", "unknown option"), ("blend@0.2:filter_layers=x", "needs a int"),
+                     ("reuse:behind=tail", "behind must be"), ("nosuch@1", "unknown fuser"),
+                     ("queryaware@0.2:layers=some", "layers must be"), ("reuse@3", "takes no")):
+        with pytest.raises(ValueError, match=msg):
+            fuse.parse_spec(bad)
+    with pytest.raises(ValueError, match="without an @argument"):
+        fuse.parse_fuser("blend@0.2")

@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--model", default=None, help="local HF checkpoint dir or packaged model (default: Gemma 3 270M)")
     c.add_argument("--cases", type=int, default=8, help="calibration cases, generated (never the eval data)")
     c.add_argument("--seed", type=int, default=None, help="the calibration set's seed (default: its own, 1234)")
-    c.add_argument("--fusers", default="blend,queryaware", help="comma-separated fusers that take a ratio")
+    c.add_argument("--fusers", default="blend,queryaware",
+                   help="comma-separated fusers that take a ratio, with options if any (queryaware:behind=head)")
     c.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3,0.5")
     c.add_argument("--target-kl", type=float, default=None, help="the fidelity target (default 0.02)")
     c.add_argument("--answer-tokens", type=int, default=8, help="tokens of full's answer teacher-forced")
@@ -135,13 +136,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvfuse.eval.calibrate import DEFAULT_SEED, calibrate
     from kvfuse.eval.crosschunk import make_cases
     from kvfuse.eval.data import cases_from
-    from kvfuse.fuse import FUSERS
+    from kvfuse.fuse import FUSERS, Fuser, parse_fuser
     from kvfuse.weights import cache_dir
 
-    fusers = [f.strip() for f in args.fusers.split(",") if f.strip()]
-    bad = [f for f in fusers if f not in FUSERS or not FUSERS[f].takes_ratio]
-    if bad or not fusers:
-        known = ", ".join(n for n, f in FUSERS.items() if f.takes_ratio)
+    known = ", ".join(n for n, f in FUSERS.items() if f.takes_ratio)
+    fusers: list[Fuser] = []
+    for spec in (f.strip() for f in args.fusers.split(",")):
+        if not spec:
+            continue
+        try:
+            fuser = parse_fuser(spec)
+        except ValueError as e:
+            raise SystemExit(f"kvfuse: --fusers: {e}") from None
+        if not fuser.takes_ratio:
+            raise SystemExit(f"kvfuse: --fusers takes fusers that use a ratio ({known}), got {spec!r}")
+        fusers.append(fuser)
+    if not fusers:
         raise SystemExit(f"kvfuse: --fusers takes fusers that use a ratio ({known}), got {args.fusers!r}")
     try:
         ratios = sorted({float(r) for r in args.ratios.split(",") if r.strip()})

@@ -18,7 +18,7 @@ from kvfuse.control.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.eval.metrics import fidelity
-from kvfuse.fuse import get_fuser
+from kvfuse.fuse import get_fuser, spec_of
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Prompt, Tokenizer
 
@@ -44,7 +44,8 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
     bar = tqdm(total=len(cases), desc="calibrating", unit="case", disable=not progress)
     for case in cases:
         req = Prompt(chunks=tuple(p.render() for p in case.passages), question=case.question).request(tok)
-        engine.precompute(req, "blend")
+        for f in made:  # each fuser's chunk caches (they differ by preamble), stored before the timed runs
+            engine.precompute(req, f)
         full = engine.generate(req, "full", params=ref_params, record_logits=True)
         assert full.step_logits is not None
         ref = [int(t) for t in full.step_logits.argmax(-1)]  # greedy: the tokens chosen, the stop token too
@@ -53,12 +54,13 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
                 g = engine.generate(req, f, r, params=one, score=ref)
                 assert g.scored_logits is not None
                 fid = fidelity(full.step_logits, g.scored_logits, ref)
-                key = (f.name, r)
+                key = (spec_of(f), r)
                 kls.setdefault(key, []).append(fid.kl)
                 agree.setdefault(key, []).append(fid.first_token_agreement)
                 ttft.setdefault(key, []).append(g.ttft_s / full.ttft_s)
         bar.update(1)
     bar.close()
-    curves = {f.name: tuple(CurvePoint(r, statistics.mean(kls[f.name, r]), statistics.mean(agree[f.name, r]),
-                                       statistics.median(ttft[f.name, r])) for r in sorted(ratios)) for f in made}
+    keys = [spec_of(f) for f in made]
+    curves = {f: tuple(CurvePoint(r, statistics.mean(kls[f, r]), statistics.mean(agree[f, r]),
+                                  statistics.median(ttft[f, r])) for r in sorted(ratios)) for f in keys}
     return Calibration(engine.fingerprint, target_kl, curves, len(cases), seed)

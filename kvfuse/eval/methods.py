@@ -1,7 +1,8 @@
 """Evaluation methods: a small registry of named ways to answer one case.
 
 A method spec is `name` or `name@arg` (blend@0.15, blend@auto, legolink@16). Every fuser that reads
-chunk caches (`fuse.FUSERS`) is a method of the same name, its `@arg` parsed by the fuser itself; full,
+chunk caches (`fuse.FUSERS`) is a method of the same name, its spec parsed by `fuse.parse_spec` (so it
+also takes the fuser's options: `queryaware@0.2:behind=head`, `reuse:behind=head`); full,
 prefix and the multi-call baselines (mapreduce, maprerank) are this module's own. Every method answers from
 the same retrieved chunks, reports the TTFT of its final answer, and teacher-forces full's greedy answer
 on its own final prompt cache so fidelity is measured token by token. Built-ins register the same way an
@@ -10,6 +11,7 @@ extension would: `@register("name")` on a factory taking the spec's argument.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,7 +20,7 @@ import torch
 
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
-from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, get_fuser
+from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, get_fuser, parse_spec, spec_of
 from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
@@ -79,10 +81,11 @@ def parse_methods(spec: str) -> list[Method]:
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        base, _, arg = item.partition("@")
+        base = re.split(r"[@:]", item, maxsplit=1)[0]
         if base not in METHODS:
             raise ValueError(f"unknown method {item!r}; known: {', '.join(sorted(METHODS))} (with @arg where needed)")
-        m = METHODS[base](arg or None)
+        rest = item[len(base):]
+        m = METHODS[base](rest.removeprefix("@") if rest.startswith("@") else (rest or None))
         if m.name not in {x.name for x in out}:
             out.append(m)
     if not out:
@@ -236,9 +239,10 @@ def _maprerank(arg: str | None) -> Method:
 
 
 def _fusing(name: str) -> Factory:
-    def make(arg: str | None) -> Method:
-        fuser, ratio = FUSERS[name].from_arg(arg)
-        return ChunkReuse(fuser, ratio, fuser.label(ratio))
+    def make(arg: str | None) -> Method:  # arg: what followed NAME@ (options included), or ":options"
+        spec = name if arg is None else name + (arg if arg.startswith(":") else "@" + arg)
+        fuser, ratio = parse_spec(spec)
+        return ChunkReuse(fuser, ratio, spec_of(fuser, ratio))
 
     return make
 
@@ -253,9 +257,10 @@ class Default:
     def run(self, run: CaseRun) -> Outcome:
         fuser = get_fuser(DEFAULT_MODE)
         ctl = run.engine.controller
-        calibrated = ctl is not None and ctl.calibration is not None and ctl.calibration.floor(fuser.name) is not None
+        calibrated = ctl is not None and ctl.calibration is not None and \
+            ctl.calibration.floor(spec_of(fuser)) is not None
         out = ChunkReuse(fuser, "auto" if calibrated else None, self.name).run(run)
-        out.extra["fuser"] = fuser.name
+        out.extra["fuser"] = spec_of(fuser)
         return out
 
 

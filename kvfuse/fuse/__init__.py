@@ -23,9 +23,23 @@ from kvfuse.fuse.core import (
     precompute_chunk,
     prefill,
 )
-from kvfuse.fuse.registry import DEFAULT_MODE, FUSERS, FuseContext, Fuser, get_fuser, modes, register_fuser
+from kvfuse.fuse.registry import (
+    BEHIND,
+    DEFAULT_MODE,
+    FUSERS,
+    FuseContext,
+    Fuser,
+    chunk_preamble,
+    get_fuser,
+    modes,
+    parse_fuser,
+    parse_spec,
+    register_fuser,
+    spec_of,
+)
 
 __all__ = [
+    "BEHIND",
     "DEFAULT_FILTER_LAYERS",
     "DEFAULT_HEAD_TOKENS",
     "DEFAULT_MODE",
@@ -44,15 +58,19 @@ __all__ = [
     "Rerotate",
     "Reuse",
     "blend",
+    "chunk_preamble",
     "fuse_chunks",
     "get_fuser",
     "keep_schedule",
     "kv_deviation",
     "legolink",
     "modes",
+    "parse_fuser",
+    "parse_spec",
     "precompute_chunk",
     "prefill",
     "query_aware",
     "register_fuser",
     "reuse",
+    "spec_of",
 ]

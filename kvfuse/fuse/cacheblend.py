@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvfuse.fuse.core import Deviation, Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, ratio_arg, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
 from kvfuse.model import Decoder
 
 DEFAULT_RATIO = 0.15
@@ -63,6 +63,12 @@ class Blend:
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = True
     filter_layers: int = DEFAULT_FILTER_LAYERS
+    behind: str = "bos"
+
+    def __post_init__(self) -> None:
+        check_behind(self.behind)
+        if self.filter_layers < 1:
+            raise ValueError(f"filter_layers must be >= 1, got {self.filter_layers}")
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = DEFAULT_RATIO if ratio is None else ratio

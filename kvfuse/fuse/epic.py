@@ -3,13 +3,13 @@ deviation measure (after a precompute behind BOS the chunk-start tokens behave l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, register_fuser
 from kvfuse.model import Decoder
 
 DEFAULT_HEAD_TOKENS = 16
@@ -34,7 +34,11 @@ class Legolink:
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = False
-    head_tokens: int = DEFAULT_HEAD_TOKENS
+    head_tokens: int = field(default=DEFAULT_HEAD_TOKENS, metadata={"arg": True})  # legolink@K
+    behind: str = "bos"
+
+    def __post_init__(self) -> None:
+        check_behind(self.behind)
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         return legolink(model, layout, self.head_tokens, ctx)

@@ -17,6 +17,7 @@ from kvfuse.model import Decoder
 class _Prefill(NoOptions):
     exact: ClassVar[bool] = True
     takes_ratio: ClassVar[bool] = False
+    behind: ClassVar[str] = "bos"  # reads no chunk caches
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         if layout.chunks:

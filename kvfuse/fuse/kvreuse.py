@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, NoOptions, Reads, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, NoOptions, Reads, check_behind, register_fuser
 from kvfuse.model import Decoder
 
 
@@ -24,6 +24,10 @@ class Reuse(NoOptions):
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = False
+    behind: str = "bos"
+
+    def __post_init__(self) -> None:
+        check_behind(self.behind)
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         return reuse(model, layout, ctx)

@@ -6,10 +6,18 @@ caches, and on every counted layer the suffix's attention over each chunk token 
 suffix tokens. Pass 2 recomputes the top `ratio` of chunk tokens by that score on every layer, as one
 fixed set (legolink's schedule with a chosen set), reading the chunk layers pass 1 already read.
 
-Which layers count (`layers`): "all", or "global" (the full-attention layers of a sliding-window model,
-such as 3 of Gemma 3 270M's 18, where the question sees only the last 512 tokens on the others; on a
-model without sliding layers, or with no full-attention layer, the two are the same). Cost: the suffix
-twice, plus ratio of the chunk tokens on every layer; at 0.15 about as much as blend@0.15's schedule.
+Options (`queryaware@R:option=value`):
+- `layers`: which layers' attention counts: "global" (the default: the full-attention layers of a
+  sliding-window model, such as 3 of Gemma 3 270M's 18, where the question sees only the last 512
+  tokens on the others; on a model without sliding layers, or with no full-attention layer, every
+  layer) or "all".
+- `wide`: gradual filtering on top of the question's choice. With wide > R, the first `FILTER_LAYERS`
+  layers recompute the top `wide` share by attention, and the later ones keep the R of those whose KV
+  deviates most there (blend's deviation measure); 0 (the default) is one fixed set.
+- `behind`: what the chunk caches are computed behind ("bos" or "head", see `registry.BEHIND`).
+
+Cost: the suffix twice, plus R of the chunk tokens on every layer (and wide - R more on the first
+layers); at 0.15 about as much as blend@0.15's schedule.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ from typing import ClassVar
 import torch
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, ratio_arg, register_fuser
+from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
 from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
 
 DEFAULT_RATIO = 0.15
+FILTER_LAYERS = 2  # with `wide`, how many layers recompute the wide set before it narrows
 
 
 class _Read:
@@ -46,7 +55,7 @@ class _Read:
         return self.layers[i]
 
 
-def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "all",
+def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
                      ctx: FuseContext = IN_PLACE) -> tuple[torch.Tensor, LayerLoader]:
     """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
     heads and suffix queries, from a reuse pass; and the loader that read the chunk layers."""
@@ -68,18 +77,21 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "all",
     return score, loader
 
 
-def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "all",
-                ctx: FuseContext = IN_PLACE) -> Fused:
+def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
+                ctx: FuseContext = IN_PLACE, wide: float = 0.0) -> Fused:
     """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
     n_c = layout.chunk_tokens
     score, loader = suffix_attention(model, layout, layers, ctx)
     k = min(n_c, math.ceil(ratio * n_c - 1e-9))
-    chosen = torch.topk(score, k).indices.sort().values if k else torch.empty(0, dtype=torch.int64)
+    first = max(k, min(n_c, math.ceil(wide * n_c - 1e-9)))  # the set of the first layers (k: fixed set)
+    chosen = torch.topk(score, first).indices.sort().values if first else torch.empty(0, dtype=torch.int64)
     read = [_Read([kv[c] for kv in loader.loaded], src.positions) for c, src in enumerate(layout.chunks)]
     again = FuseLayout(layout.prefix, layout.prefix_tail, tuple(read), layout.chunk_ids, layout.suffix)
-    keep = [int(chosen.shape[0])] * model.cfg.num_layers
+    layers_n = model.cfg.num_layers
+    keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS) if first > k \
+        else [k] * layers_n
     return fuse_chunks(model, again, keep, candidates=chosen, rotate=ctx.rotate, room=ctx.room)
 
 
@@ -92,18 +104,22 @@ class QueryAware:
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = True
-    layers: str = "all"  # "all", or "global": only the full-attention layers' attention counts
+    layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
+    wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
+    behind: str = "bos"
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):
             raise ValueError(f"layers must be 'all' or 'global', got {self.layers!r}")
+        if not 0.0 <= self.wide <= 1.0:
+            raise ValueError(f"wide must be between 0 and 1, got {self.wide}")
+        check_behind(self.behind)
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
-        return query_aware(model, layout, DEFAULT_RATIO if ratio is None else ratio, self.layers, ctx)
+        return query_aware(model, layout, DEFAULT_RATIO if ratio is None else ratio, self.layers, ctx, self.wide)
 
     def label(self, ratio: float | str | None) -> str:
-        base = self.name if self.layers == "all" else f"{self.name}-{self.layers}"
-        return base if ratio is None else f"{base}@{ratio}"
+        return self.name if ratio is None else f"{self.name}@{ratio}"
 
     @classmethod
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:

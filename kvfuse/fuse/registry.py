@@ -10,7 +10,8 @@ server's `kvfuse.mode` and the eval's method specs read the list from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
@@ -20,6 +21,13 @@ from kvfuse.model import Decoder
 from kvfuse.rope import rerotate_into
 
 Reads = Literal["nothing", "prefix", "chunks"]
+# What a chunk's cache is computed behind (its preamble, part of the chunk's key):
+#   "bos"   the model's BOS alone (the engine's preamble): one cache per chunk, whatever the request;
+#   "head"  the request's head, the first HEAD_PREAMBLE_MAX tokens of its prefix (the instruction text,
+#           or a knowledge base's header and instructions): closer to what the chunk sees in a full
+#           prefill, one cache per chunk and head.
+BEHIND = ("bos", "head")
+HEAD_PREAMBLE_MAX = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +48,15 @@ class Fuser(Protocol):
     exact: ClassVar[bool]  # always equals full prefill
     takes_ratio: ClassVar[bool]  # recomputes a share of the chunk tokens: blend's ratio applies
 
+    @property
+    def behind(self) -> str:
+        """What the chunk caches it reads are computed behind (see BEHIND)."""
+        ...
+
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused: ...
 
     def label(self, ratio: float | str | None) -> str:
-        """The spec that names this fuser with its options and ratio (`blend@0.15`, `legolink@16`)."""
+        """This fuser's name and `@arg` (`blend@0.15`, `legolink@16`); `spec_of` adds its other options."""
         ...
 
     @classmethod
@@ -56,6 +69,18 @@ FUSERS: dict[str, type[Fuser]] = {}
 # The mode a request with chunks gets when it names none: `generate`, `ask --index`, the server, and the
 # eval's `default` method. Still CacheBlend, the paper baseline, until issue G's measurements pick another.
 DEFAULT_MODE = "blend"
+
+
+def check_behind(behind: str) -> None:
+    if behind not in BEHIND:
+        raise ValueError(f"behind must be one of {', '.join(BEHIND)}, got {behind!r}")
+
+
+def chunk_preamble(fuser: Fuser, prefix: Sequence[int], bos: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a request's chunk caches are computed behind, for this fuser."""
+    if fuser.behind == "head":
+        return tuple(prefix[:HEAD_PREAMBLE_MAX])
+    return tuple(bos)
 
 
 def register_fuser(cls: type[Fuser]) -> type[Fuser]:
@@ -91,6 +116,63 @@ class NoOptions:
     def from_arg(cls, arg: str | None) -> tuple[Fuser, float | str | None]:
         no_arg(cls.name)(arg)
         return cls(), None  # type: ignore[return-value]
+
+
+def parse_spec(spec: str) -> tuple[Fuser, float | str | None]:
+    """A fuser and ratio from `NAME[@ARG][:OPTION=VALUE]...`: `blend@0.15`, `queryaware@0.2:behind=head`.
+
+    ARG is the fuser's own (a ratio, legolink's head tokens); each option sets one of its fields."""
+    head, *options = spec.split(":")
+    name, at, arg = head.partition("@")
+    cls = FUSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown fuser {name!r}; known: {', '.join(FUSERS)}")
+    fuser, ratio = cls.from_arg(arg if at else None)
+    return with_options(fuser, options), ratio
+
+
+def parse_fuser(spec: str) -> Fuser:
+    """A fuser with its default `@arg` from `NAME[:OPTION=VALUE]...` (`queryaware:behind=head`)."""
+    name, *options = spec.split(":")
+    if "@" in name:
+        raise ValueError(f"{spec!r}: give the fuser and its options without an @argument")
+    try:
+        fuser = get_fuser(name)
+    except KeyError:
+        raise ValueError(f"unknown fuser {name!r}; known: {', '.join(FUSERS)}") from None
+    return with_options(fuser, options)
+
+
+def with_options(fuser: Fuser, options: Sequence[str]) -> Fuser:
+    """The fuser with some of its fields set from `OPTION=VALUE` strings (typed as the field's default)."""
+    if not options:
+        return fuser
+    fields = {f.name: f for f in _fields(fuser)}
+    changes: dict[str, object] = {}
+    for item in options:
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            known = ", ".join(f"{k}=..." for k in fields) or "none"
+            raise ValueError(f"{fuser.name}: unknown option {item!r}; its options: {known}")
+        kind: Callable[[str], object] = type(fields[key].default)
+        try:
+            changes[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"{fuser.name}: option {key} needs a {type(fields[key].default).__name__}, "
+                             f"got {value!r}") from None
+    return dataclasses.replace(fuser, **changes)  # type: ignore[type-var]
+
+
+def spec_of(fuser: Fuser, ratio: float | str | None = None) -> str:
+    """The spec `parse_spec` reads back as this fuser: its label, then every option not at its default
+    (fields marked `metadata={"arg": True}` are in the label's @arg already)."""
+    extra = [f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser)
+             if not f.metadata.get("arg") and getattr(fuser, f.name) != f.default]
+    return fuser.label(ratio) + "".join(extra)
+
+
+def _fields(fuser: Fuser) -> tuple[dataclasses.Field[object], ...]:
+    return dataclasses.fields(fuser) if dataclasses.is_dataclass(fuser) else ()  # type: ignore[arg-type]
 
 
 def ratio_arg(name: str, arg: str | None) -> float | str:
