@@ -35,7 +35,7 @@ class ChunkSet:
 
     `stored[i]`: chunk i came from the store; `promote[i]`: from a later tier, so the layers read are
     put into the first tier after the request; `tier`: the slowest tier any chunk is read from;
-    `preamble`: what every one of them is computed behind."""
+    `preambles`: what each of them is computed behind."""
 
     keys: list[ChunkKey]
     sources: list[LayerSource]
@@ -43,7 +43,7 @@ class ChunkSet:
     promote: list[bool]
     tier: str
     lengths: list[int] = field(default_factory=list)
-    preamble: tuple[int, ...] = ()
+    preambles: tuple[tuple[int, ...], ...] = ()
 
     def stored_mask(self) -> torch.Tensor:
         """(chunk tokens,) bool: the token's KV came from the store."""
@@ -133,9 +133,9 @@ class CacheManager:
 
     # -- chunks ------------------------------------------------------------------------------------
 
-    def chunk_preamble(self, fuser: Fuser, req: Request) -> tuple[int, ...]:
-        """What the fuser's chunk caches for this request are computed behind (BOS, or the request's head)."""
-        return fuse.chunk_preamble(fuser, req.prefix, self.preamble)
+    def chunk_preambles(self, fuser: Fuser, req: Request) -> tuple[tuple[int, ...], ...]:
+        """What each of the request's chunk caches is computed behind, for this fuser (`fuse.BEHIND`)."""
+        return fuse.chunk_preambles(fuser, req.prefix, req.chunks, self.preamble)
 
     def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None,
                   preamble: Sequence[int] | None = None) -> ChunkKey:
@@ -159,14 +159,16 @@ class CacheManager:
         self.store.put(key, cache)
         return cache
 
-    def open_chunks(self, req: Request, preamble: Sequence[int] | None = None) -> ChunkSet:
-        """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now."""
+    def open_chunks(self, req: Request, preambles: Sequence[tuple[int, ...]] | None = None) -> ChunkSet:
+        """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now.
+
+        `preambles`: what each chunk is computed behind (default: the engine's preamble)."""
         first = self.store.tiers[0].name
-        behind = tuple(self.preamble if preamble is None else preamble)
-        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], behind)
+        pre = tuple(preambles) if preambles is not None else (self.preamble,) * len(req.chunks)
+        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre)
         slowest = 0
         names = [t.name for t in self.store.tiers]
-        for c in req.chunks:
+        for c, behind in zip(req.chunks, pre, strict=True):
             key = self.chunk_key(c, req.chunk_salt, behind)
             opened = self.store.open(key)
             out.keys.append(key)
@@ -197,7 +199,7 @@ class CacheManager:
             except CorruptEntryError as e:
                 for i in (i for i in lazy if chunks.keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(chunks.keys[i], str(e))
-                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preamble)
+                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preambles[i])
                     chunks.stored[i] = chunks.promote[i] = False
         raise RuntimeError("every stored chunk entry was corrupt and recomputed, yet the fusion still failed")
 
@@ -219,8 +221,7 @@ class CacheManager:
             self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin)
         else:
             self.precompute_prefix(req.prefix, req.salts, pin)
-            behind = self.chunk_preamble(fuser, req)
-            for c in req.chunks:
+            for c, behind in zip(req.chunks, self.chunk_preambles(fuser, req), strict=True):
                 key = self.chunk_key(c, req.chunk_salt, behind)
                 if key not in self.store:  # stored in any tier is enough: the request loads it
                     self.compute_chunk(c, key, behind)

@@ -170,7 +170,7 @@ class Engine:
         tail, ids = _ids(req.prefix[n_hit:]), [_ids(c) for c in req.chunks]
         counts.reused = n_hit + req.chunk_tokens
         counts.prefilled = len(req) - counts.reused
-        chunks = self.cache.open_chunks(req, self.cache.chunk_preamble(fuser, req))
+        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req))
         r, decision = self._ratio(fuser, ratio, counts.reused, chunks.tier)
 
         def layout(sources: Sequence[LayerSource]) -> FuseLayout:
@@ -188,7 +188,7 @@ class Engine:
         """The recompute ratio (the controller's, for 'auto') and the controller's decision, if it has one."""
         if not fuser.takes_ratio:
             return None, None
-        fixed = None if ratio == "auto" else (fuse.DEFAULT_RATIO if ratio is None else float(ratio))
+        fixed = None if ratio == "auto" else (fuser.default_ratio if ratio is None else float(ratio))
         if self.controller is None:
             assert fixed is not None  # validate refuses 'auto' without a controller
             return fixed, None

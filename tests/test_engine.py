@@ -259,7 +259,7 @@ def test_chunks_behind_the_request_head(tiny_engines, family: str) -> None:
     e = tiny_engines[family]
     req = _request(8)
     head = QueryAware(behind="head")
-    assert e.cache.chunk_preamble(head, req) == tuple(req.prefix) != e.preamble
+    assert e.cache.chunk_preambles(head, req) == (tuple(req.prefix),) * 3 and req.prefix != e.preamble
     e.precompute(req, "reuse")
     bos_keys = {e.cache.chunk_key(c, req.chunk_salt) for c in req.chunks}
     head_keys = {e.cache.chunk_key(c, req.chunk_salt, req.prefix) for c in req.chunks}
@@ -274,4 +274,50 @@ def test_chunks_behind_the_request_head(tiny_engines, family: str) -> None:
     behind = e.generate(req, Reuse(behind="head"), params=GREEDY)
     assert not torch.allclose(plain.first_logits, behind.first_logits)
     other = replace(req, prefix=req.prefix[:1] + tuple(reversed(req.prefix[1:])))
-    assert e.cache.chunk_key(req.chunks[0], None, e.cache.chunk_preamble(head, other)) not in head_keys
+    assert e.cache.chunk_key(req.chunks[0], None, e.cache.chunk_preambles(head, other)[0]) not in head_keys
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_chunks_behind_their_neighbour(tiny_engines, family: str) -> None:
+    """behind=previous computes each chunk behind BOS and the tokens just before it in this request; the
+    same chunk after another neighbour is another entry; at ratio 1.0 it is still full prefill."""
+    from kvfuse.fuse import NEIGHBOUR_TOKENS, QueryAware
+
+    e = tiny_engines[family]
+    req = _request(9)
+    prev = QueryAware(behind="previous")
+    pre = e.cache.chunk_preambles(prev, req)
+    bos = e.preamble
+    assert pre[0] == bos + tuple(req.prefix[1:])[-NEIGHBOUR_TOKENS:]
+    assert pre[1] == bos + tuple(req.chunks[0])[-NEIGHBOUR_TOKENS:] and pre[2] == bos + tuple(req.chunks[1])
+    e.precompute(req, prev)
+    full = e.generate(req, "full", params=GREEDY)
+    whole = e.generate(req, prev, 1.0, params=GREEDY)
+    assert (whole.first_logits - full.first_logits).abs().max() < 1e-4 and whole.counts.cached > 0
+    swapped = replace(req, chunks=(req.chunks[1], req.chunks[0], req.chunks[2]))
+    assert e.cache.chunk_preambles(prev, swapped)[1] != pre[0]
+    assert all(e.cache.chunk_key(c, None, p) in e.store for c, p in zip(req.chunks, pre, strict=True))
+    assert e.cache.chunk_key(swapped.chunks[1], None, e.cache.chunk_preambles(prev, swapped)[1]) not in e.store
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_chunks_behind_a_copy_of_themselves(tiny_engines, family: str) -> None:
+    """behind=self computes each chunk behind BOS and its own tokens repeated: the key depends on the chunk
+    alone (the same entry in any order), and at ratio 1.0 it is still full prefill."""
+    from kvfuse.fuse import NEIGHBOUR_TOKENS, QueryAware
+
+    e = tiny_engines[family]
+    req = _request(10)
+    me = QueryAware(behind="self")
+    pre = e.cache.chunk_preambles(me, req)
+    for c, p in zip(req.chunks, pre, strict=True):
+        assert len(p) == len(e.preamble) + NEIGHBOUR_TOKENS and p[: len(e.preamble)] == e.preamble
+        assert p[-len(c):] == tuple(c) and p[-2 * len(c) : -len(c)] == tuple(c)
+    swapped = replace(req, chunks=(req.chunks[2], req.chunks[0], req.chunks[1]))
+    assert e.cache.chunk_preambles(me, swapped) == (pre[2], pre[0], pre[1])
+    e.precompute(req, me)
+    full = e.generate(req, "full", params=GREEDY)
+    whole = e.generate(req, me, 1.0, params=GREEDY)
+    assert (whole.first_logits - full.first_logits).abs().max() < 1e-4
+    g = e.generate(swapped, me, 0.3, params=GREEDY)
+    assert g.counts.cached == g.counts.reused - g.counts.recomputed  # every chunk came from the store

@@ -62,6 +62,7 @@ class Blend:
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = True
+    default_ratio: ClassVar[float] = DEFAULT_RATIO
     filter_layers: int = DEFAULT_FILTER_LAYERS
     behind: str = "bos"
 
@@ -71,7 +72,7 @@ class Blend:
             raise ValueError(f"filter_layers must be >= 1, got {self.filter_layers}")
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
-        r = DEFAULT_RATIO if ratio is None else ratio
+        r = self.default_ratio if ratio is None else ratio
         return blend(model, layout, r, filter_layers=self.filter_layers, ctx=ctx)
 
     def label(self, ratio: float | str | None) -> str:

@@ -34,6 +34,7 @@ class Legolink:
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = False
+    default_ratio: ClassVar[float] = 0.0  # takes no ratio
     head_tokens: int = field(default=DEFAULT_HEAD_TOKENS, metadata={"arg": True})  # legolink@K
     behind: str = "bos"
 

@@ -104,6 +104,7 @@ class QueryAware:
     reads: ClassVar[Reads] = "chunks"
     exact: ClassVar[bool] = False
     takes_ratio: ClassVar[bool] = True
+    default_ratio: ClassVar[float] = DEFAULT_RATIO
     layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
     wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
     behind: str = "bos"
@@ -116,7 +117,8 @@ class QueryAware:
         check_behind(self.behind)
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
-        return query_aware(model, layout, DEFAULT_RATIO if ratio is None else ratio, self.layers, ctx, self.wide)
+        r = self.default_ratio if ratio is None else ratio
+        return query_aware(model, layout, r, self.layers, ctx, self.wide)
 
     def label(self, ratio: float | str | None) -> str:
         return self.name if ratio is None else f"{self.name}@{ratio}"

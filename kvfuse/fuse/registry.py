@@ -22,12 +22,20 @@ from kvfuse.rope import rerotate_into
 
 Reads = Literal["nothing", "prefix", "chunks"]
 # What a chunk's cache is computed behind (its preamble, part of the chunk's key):
-#   "bos"   the model's BOS alone (the engine's preamble): one cache per chunk, whatever the request;
-#   "head"  the request's head, the first HEAD_PREAMBLE_MAX tokens of its prefix (the instruction text,
-#           or a knowledge base's header and instructions): closer to what the chunk sees in a full
-#           prefill, one cache per chunk and head.
-BEHIND = ("bos", "head")
+#   "bos"       the model's BOS alone (the engine's preamble): one cache per chunk, whatever the request;
+#   "head"      the request's head, the first HEAD_PREAMBLE_MAX tokens of its prefix (the instruction
+#               text, or a knowledge base's header and instructions): closer to what the chunk sees in a
+#               full prefill; one cache per chunk and head;
+#   "previous"  BOS, then the last NEIGHBOUR_TOKENS tokens before the chunk in this request (the head's
+#               end for the first chunk, else the previous chunk's end): what a sliding-window layer sees
+#               in a full prefill (FusionRAG's neighbour-conditioned precompute, with the request's own
+#               neighbour); one cache per chunk and what precedes it, so reused only in the same order;
+#   "self"      BOS, then the chunk's own tokens, repeated, up to NEIGHBOUR_TOKENS (ending with the chunk's
+#               end): the chunk is computed as if deep inside a document, which a sliding-window layer
+#               sees in a full prefill, and its cache still depends on the chunk alone.
+BEHIND = ("bos", "head", "previous", "self")
 HEAD_PREAMBLE_MAX = 128
+NEIGHBOUR_TOKENS = 512  # the sliding window of Gemma 3 270M, which this was measured on
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,11 @@ class Fuser(Protocol):
     reads: ClassVar[Reads]
     exact: ClassVar[bool]  # always equals full prefill
     takes_ratio: ClassVar[bool]  # recomputes a share of the chunk tokens: blend's ratio applies
+
+    @property
+    def default_ratio(self) -> float:
+        """The ratio a request gets when it names none (fusers that take one)."""
+        ...
 
     @property
     def behind(self) -> str:
@@ -76,11 +89,23 @@ def check_behind(behind: str) -> None:
         raise ValueError(f"behind must be one of {', '.join(BEHIND)}, got {behind!r}")
 
 
-def chunk_preamble(fuser: Fuser, prefix: Sequence[int], bos: Sequence[int]) -> tuple[int, ...]:
-    """The tokens a request's chunk caches are computed behind, for this fuser."""
+def chunk_preambles(fuser: Fuser, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
+                    bos: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """What each of a request's chunk caches is computed behind, for this fuser (see BEHIND)."""
     if fuser.behind == "head":
-        return tuple(prefix[:HEAD_PREAMBLE_MAX])
-    return tuple(bos)
+        return (tuple(prefix[:HEAD_PREAMBLE_MAX]),) * len(chunks)
+    if fuser.behind == "previous":
+        lead = tuple(bos)
+        before = list(prefix[len(lead):] if tuple(prefix[: len(lead)]) == lead else prefix)
+        out = []
+        for c in chunks:
+            out.append(lead + tuple(before[-NEIGHBOUR_TOKENS:]))
+            before = list(c)
+        return tuple(out)
+    if fuser.behind == "self":
+        return tuple(tuple(bos) + (tuple(c) * (NEIGHBOUR_TOKENS // max(1, len(c)) + 1))[-NEIGHBOUR_TOKENS:]
+                     for c in chunks)
+    return (tuple(bos),) * len(chunks)
 
 
 def register_fuser(cls: type[Fuser]) -> type[Fuser]:
@@ -108,6 +133,7 @@ class NoOptions:
 
     __slots__ = ()
     name: ClassVar[str]
+    default_ratio: ClassVar[float] = 0.0  # takes no ratio
 
     def label(self, ratio: float | str | None) -> str:
         return self.name
