@@ -139,6 +139,7 @@ class Prefilled:
     ratio: float | None
     writeback: list[Callable[[], object]] = field(default_factory=list)  # store writes to run after TTFT
     controller: Decision | None = None
+    fuser: str = ""  # the fuser's spec, with its options
 
 
 class TokenStream:
@@ -198,6 +199,6 @@ class Decoding:
             self.result = Generation(
                 self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
                 self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
-                torch.stack(self.steps).float() if self.steps else None, self.scored,
+                torch.stack(self.steps).float() if self.steps else None, self.scored, pre.fuser,
             )
         return self.result

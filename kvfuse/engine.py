@@ -154,7 +154,7 @@ class Engine:
         if fuser.reads == "nothing":
             fused = fuser.fuse(self.model, FuseLayout.of(None, (), suffix, prefix_tail=_ids(cacheable)), None, ctx)
             counts.prefilled = len(req)
-            return Prefilled(fused, counts, fuser.name, None)
+            return Prefilled(fused, counts, fuser.name, None, fuser=fuse.spec_of(fuser))
         if fuser.reads == "prefix":
             hashes = self.cache.block_hashes(cacheable, req.salts)
             hit = self.cache.read_prefix(hashes)
@@ -162,7 +162,8 @@ class Engine:
             fused = fuser.fuse(self.model, FuseLayout.of(hit, (), suffix, prefix_tail=_ids(cacheable[n_hit:])), None,
                                ctx)
             counts.reused, counts.prefilled, counts.cached = n_hit, len(req) - n_hit, n_hit
-            return Prefilled(fused, counts, fuser.name, None, [lambda: self.cache.store_prefix(hashes, fused.cache)])
+            return Prefilled(fused, counts, fuser.name, None, [lambda: self.cache.store_prefix(hashes, fused.cache)],
+                             fuser=fuse.spec_of(fuser))
         # the fusing modes: stored prefix blocks, the prefix's uncached tail computed with the suffix
         hashes = self.cache.block_hashes(req.prefix, req.salts)
         hit = self.cache.read_prefix(hashes)
@@ -182,7 +183,8 @@ class Engine:
         recomputed_stored = sum(int(stored[sel].sum()) for sel in fused.selected) / self.cfg.num_layers
         counts.cached = n_hit + int(stored.sum()) - round(recomputed_stored)
         writes: list[Callable[[], object]] = [lambda: self.cache.store_prefix(hashes, fused.cache)]
-        return Prefilled(fused, counts, fuser.name, r, writes + self.cache.promotions(chunks, loader), decision)
+        return Prefilled(fused, counts, fuser.name, r, writes + self.cache.promotions(chunks, loader), decision,
+                         fuse.spec_of(fuser))
 
     def _ratio(self, fuser: Fuser, ratio: Ratio, reused: int, tier: str) -> tuple[float | None, Decision | None]:
         """The recompute ratio (the controller's, for 'auto') and the controller's decision, if it has one."""
@@ -195,7 +197,7 @@ class Engine:
         profiled = self.controller.profile.tiers
         if tier not in profiled:  # a tier the profile has not measured: decide as for the slowest one it has
             tier = min(profiled, key=lambda t: profiled[t].read_bytes_per_s)
-        decision = self.controller.decide(reused, tier, fixed, fuse.spec_of(fuser))
+        decision = self.controller.decide(reused, tier, fixed, fuse.fuser_key(fuser))
         return decision.ratio, decision
 
     # -- decoding ----------------------------------------------------------------------------------

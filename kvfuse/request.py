@@ -134,6 +134,7 @@ class Generation:
     controller: Decision | None = None  # the ratio and tier decision, when a controller is set
     step_logits: torch.Tensor | None = None  # (steps, vocab) logits that chose each token, if recorded
     scored_logits: torch.Tensor | None = None  # (len(score), vocab) teacher-forced logits, if asked
+    fuser: str = ""  # the fuser with its options (`fuse.spec_of`: queryaware:behind=self); mode is its name
 
     def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
         """The k most likely first tokens as (token_id, logprob)."""

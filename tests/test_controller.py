@@ -1,6 +1,7 @@
 import pytest
 from conftest import rand_ids
 
+from kvfuse import fuse
 from kvfuse.control.policy import Controller, Profile, TierProfile
 from kvfuse.engine import Engine, Request, RequestError
 from kvfuse.weights import load_model
@@ -103,7 +104,9 @@ def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_pat
     tok = CharTokenizer()
     cal = calibrate(e, tok, cases_from(raw, "test"), ["blend", "queryaware"], (0.0, 0.5, 1.0), 0.01,  # type: ignore[arg-type]
                     answer_tokens=3)
-    for f in ("blend", "queryaware"):
+    keys = [fuse.fuser_key(fuse.get_fuser(f)) for f in ("blend", "queryaware")]
+    assert set(cal.curves) == set(keys) and keys[0].startswith("blend:") and ":behind=" in keys[1]
+    for f in keys:
         curve = cal.curves[f]
         assert [p.ratio for p in curve] == [0.0, 0.5, 1.0]
         assert curve[-1].kl < 1e-6 and curve[-1].first_token_agreement == 1
@@ -116,5 +119,8 @@ def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_pat
     from kvfuse.sampling import SamplingParams
 
     g = e.generate(req, "queryaware", "auto", SamplingParams(max_tokens=1))
-    assert g.controller is not None and g.controller.fuser == "queryaware"
-    assert g.ratio == g.controller.ratio >= cal.floor("queryaware") == g.controller.floor  # type: ignore[operator]
+    assert g.controller is not None and g.controller.fuser == keys[1]
+    assert g.ratio == g.controller.ratio >= cal.floor(keys[1]) == g.controller.floor  # type: ignore[operator]
+    other = fuse.QueryAware(layers="all")  # other options: another fuser, with no curve of its own
+    g2 = e.generate(req, other, "auto", SamplingParams(max_tokens=1))
+    assert g2.controller is not None and g2.controller.floor == 0.0 and g2.controller.predicted_kl is None

@@ -100,7 +100,7 @@ def _cases(tmp_path):  # type: ignore[no-untyped-def]
 def test_harness_end_to_end_on_a_tiny_model(tiny_engines, tmp_path) -> None:
     engine = tiny_engines["gemma3"]
     methods = parse_methods("full,prefix,reuse,blend@0.3,blend@1.0,blend@0.15,legolink@4,queryaware@0.3,default,"
-                            "mapreduce,maprerank")
+                            "mapreduce,maprerank,queryaware@0.2,queryaware@0.2:behind=bos,reuse:behind=self")
     res = run_eval(engine, CharTokenizer(), _cases(tmp_path), methods, EvalSettings(top_k=3, chunk_tokens=60,
                    max_tokens=6), "tiny", "cases.json", progress=False)
     assert set(res) >= {"model", "data", "cases", "top_k", "methods", "per_case"}
@@ -122,14 +122,17 @@ def test_harness_end_to_end_on_a_tiny_model(tiny_engines, tmp_path) -> None:
     names = {p.name for p in paths}
     assert names == {"results.json", "report.md", "quality_vs_ttft.png", "ratio_sensitivity.png",
                      "fidelity_vs_ttft.png"}
-    default, plain = res["methods"]["default"], res["methods"]["blend@0.15"]  # no calibration: the default ratio
+    default, plain = res["methods"]["default"], res["methods"]["queryaware@0.2"]  # no calibration: the default ratio
     assert (default["kl"], default["recomputed_fraction"]) == (plain["kl"], plain["recomputed_fraction"])
+    assert res["methods"]["queryaware@0.2:behind=bos"]["kl"] != plain["kl"]  # another preamble, another cache
+    assert res["methods"]["reuse:behind=self"]["kl"] != res["methods"]["reuse"]["kl"]
     for p in paths:
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     assert json.loads((tmp_path / "out" / "results.json").read_text())["cases"] == 2
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| blend@0.3 |" in report and "| legolink@4 |" in report
+    assert "| blend@0.3 |" in report and "| legolink@4 |" in report and "| **default** (recommended) |" in report
+    assert "default mode `queryaware` at ratio 0.2 " in report
 
 
 def test_summary_medians_and_errors() -> None:

@@ -94,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "answer": answer,
         "mode": args.mode,
+        "fuser": result.fuser,
         "ratio": result.ratio,
         "ttft_s": round(result.ttft_s, 6),
         "precompute_s": round(precompute_s, 6),

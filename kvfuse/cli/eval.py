@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_METHODS = "full,prefix,reuse,blend@0.15,legolink@16"
+DEFAULT_METHODS = "full,prefix,reuse,blend@0.15,legolink@16,default"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--offset", type=int, default=0, help="skip this many cases first")
     e.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: default, full, prefix, reuse, blend@R, blend@auto, legolink@K, "
-                        "queryaware@R, mapreduce, maprerank")
+                        "queryaware@R, mapreduce, maprerank; a fuser takes its options as NAME@R:OPTION=VALUE "
+                        "(queryaware@0.2:behind=bos)")
     e.add_argument("--top-k", type=int, default=6, help="chunks kept per case")
     e.add_argument("--chunk-tokens", type=int, default=512, help="chunk size limit in tokens")
     e.add_argument("--max-tokens", type=int, default=32, help="answer length limit")

@@ -87,7 +87,7 @@ class Calibration:
 
     model: str  # fingerprint
     target_kl: float
-    curves: dict[str, tuple[CurvePoint, ...]]  # by fuser spec (`fuse.spec_of`: name and options), ascending ratio
+    curves: dict[str, tuple[CurvePoint, ...]]  # by `fuse.fuser_key` (name and every option), ascending ratio
     cases: int = 0
     seed: int = 0
 

@@ -18,7 +18,7 @@ from kvfuse.control.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.eval.metrics import fidelity
-from kvfuse.fuse import get_fuser, spec_of
+from kvfuse.fuse import fuser_key, get_fuser
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Prompt, Tokenizer
 
@@ -54,13 +54,13 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
                 g = engine.generate(req, f, r, params=one, score=ref)
                 assert g.scored_logits is not None
                 fid = fidelity(full.step_logits, g.scored_logits, ref)
-                key = (spec_of(f), r)
+                key = (fuser_key(f), r)
                 kls.setdefault(key, []).append(fid.kl)
                 agree.setdefault(key, []).append(fid.first_token_agreement)
                 ttft.setdefault(key, []).append(g.ttft_s / full.ttft_s)
         bar.update(1)
     bar.close()
-    keys = [spec_of(f) for f in made]
+    keys = [fuser_key(f) for f in made]
     curves = {f: tuple(CurvePoint(r, statistics.mean(kls[f, r]), statistics.mean(agree[f, r]),
                                   statistics.median(ttft[f, r])) for r in sorted(ratios)) for f in keys}
     return Calibration(engine.fingerprint, target_kl, curves, len(cases), seed)

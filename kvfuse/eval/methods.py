@@ -20,7 +20,7 @@ import torch
 
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
-from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, get_fuser, parse_spec, spec_of
+from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, fuser_key, get_fuser, parse_spec, spec_of
 from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
@@ -258,7 +258,7 @@ class Default:
         fuser = get_fuser(DEFAULT_MODE)
         ctl = run.engine.controller
         calibrated = ctl is not None and ctl.calibration is not None and \
-            ctl.calibration.floor(spec_of(fuser)) is not None
+            ctl.calibration.floor(fuser_key(fuser)) is not None
         out = ChunkReuse(fuser, "auto" if calibrated else None, self.name).run(run)
         out.extra["fuser"] = spec_of(fuser)
         return out

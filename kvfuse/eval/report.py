@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,28 @@ def report_md(results: dict[str, Any]) -> str:
         if not m.get("n"):
             lines.append(f"| {name} | errors: {m.get('errors', 0)} |" + " |" * 10)
             continue
+        shown = f"**{name}** (recommended)" if name == "default" else name
         lines.append(
-            f"| {name} | {_fmt(m['f1'])} | {_fmt(m['rouge_l'])} | {_fmt(m['first_token_agreement'])} | "
+            f"| {shown} | {_fmt(m['f1'])} | {_fmt(m['rouge_l'])} | {_fmt(m['first_token_agreement'])} | "
             f"{_fmt(m['token_agreement'])} | {_fmt(m['kl'], 4)} | {_fmt(m['answer_agreement_f1'])} | "
             f"{_fmt(m['ttft_s_median'])} | {_fmt(m['ttft_s_mean'])} | {_fmt(m['ttft_ratio_to_full_median'])} | "
             f"{_fmt(m['recomputed_fraction'])} | {m['n']} |"
         )
+    recommended = _recommended(results)
+    if recommended:
+        lines += ["", recommended]
     return "\n".join(lines) + "\n"
+
+
+def _recommended(results: dict[str, Any]) -> str | None:
+    """What the `default` row ran: the default fuser, and its ratios (calibrated, or its default)."""
+    runs = [c["methods"]["default"] for c in results.get("per_case", []) if "fuser" in c["methods"].get("default", {})]
+    if not runs:
+        return None
+    ratios = sorted({round(r["ratio"], 4) for r in runs if r.get("ratio") is not None})
+    shown = ", ".join(str(r) for r in ratios) if ratios else "none"
+    return (f"The recommended row, `default`, is the default mode `{runs[0]['fuser']}` at ratio {shown} "
+            "(its calibrated floor when the model is calibrated, else its default ratio).")
 
 
 def pyplot() -> Any:
@@ -80,7 +96,7 @@ def fidelity_vs_ttft(results: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 5))
     families: dict[str, list[tuple[float, float, str]]] = {}
     for name, x, y in pts:
-        families.setdefault(name.partition("@")[0], []).append((x, y, name))
+        families.setdefault(re.sub(r"@[^:]*", "", name), []).append((x, y, name))  # a fuser with its options
     for fam, xs in sorted(families.items()):
         xs.sort()
         ax.plot([x for x, _, _ in xs], [max(y, 1e-6) for _, y, _ in xs], "o-", label=fam)

@@ -14,7 +14,8 @@ Options (`queryaware@R:option=value`):
 - `wide`: gradual filtering on top of the question's choice. With wide > R, the first `FILTER_LAYERS`
   layers recompute the top `wide` share by attention, and the later ones keep the R of those whose KV
   deviates most there (blend's deviation measure); 0 (the default) is one fixed set.
-- `behind`: what the chunk caches are computed behind ("bos" or "head", see `registry.BEHIND`).
+- `behind`: what the chunk caches are computed behind (`registry.BEHIND`); by default "self", the chunk
+  behind a copy of itself, which measured best among the order-free preambles.
 
 Cost: the suffix twice, plus R of the chunk tokens on every layer (and wide - R more on the first
 layers); at 0.15 about as much as blend@0.15's schedule.
@@ -34,7 +35,7 @@ from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behi
 from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
 
-DEFAULT_RATIO = 0.15
+DEFAULT_RATIO = 0.2  # the default fuser's ratio: at most 0.30x full's TTFT on Gemma 3 270M (docs/benchmarks.md)
 FILTER_LAYERS = 2  # with `wide`, how many layers recompute the wide set before it narrows
 
 
@@ -107,7 +108,7 @@ class QueryAware:
     default_ratio: ClassVar[float] = DEFAULT_RATIO
     layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
     wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
-    behind: str = "bos"
+    behind: str = "self"  # chunks computed behind a copy of themselves (see registry.BEHIND)
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):

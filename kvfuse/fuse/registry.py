@@ -80,8 +80,10 @@ class Fuser(Protocol):
 
 FUSERS: dict[str, type[Fuser]] = {}
 # The mode a request with chunks gets when it names none: `generate`, `ask --index`, the server, and the
-# eval's `default` method. Still CacheBlend, the paper baseline, until issue G's measurements pick another.
-DEFAULT_MODE = "blend"
+# eval's `default` method. Query-aware selection over chunks computed behind a copy of themselves
+# (queryaware@0.2:behind=self), chosen on the calibration sets of both packaged models and confirmed on
+# the MuSiQue dev cases (docs/benchmarks.md, issue G); blend stays the paper baseline.
+DEFAULT_MODE = "queryaware"
 
 
 def check_behind(behind: str) -> None:
@@ -195,6 +197,13 @@ def spec_of(fuser: Fuser, ratio: float | str | None = None) -> str:
     extra = [f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser)
              if not f.metadata.get("arg") and getattr(fuser, f.name) != f.default]
     return fuser.label(ratio) + "".join(extra)
+
+
+def fuser_key(fuser: Fuser) -> str:
+    """The name a calibration curve is kept under: the label without a ratio and every option, defaults
+    included (so a curve never silently applies to another fuser when a default changes)."""
+    opts = [f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser) if not f.metadata.get("arg")]
+    return fuser.label(None) + "".join(opts)
 
 
 def _fields(fuser: Fuser) -> tuple[dataclasses.Field[object], ...]:

@@ -56,6 +56,7 @@ class Answer:
     recomputed_tokens: int = 0
     finish_reason: str = "stop"  # "length": the answer hit max_tokens and may be cut short
     ratio: float | None = None
+    fuser: str = ""  # the mode with its options (`fuse.spec_of`), e.g. queryaware:behind=self
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -248,5 +249,5 @@ def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, cit
         kb.costs.request(written, cached, computed), citations, prep.plan.group, prep.plan.version, prep.mode,
         round(cumulative, 4), [ch.doc_id for ch in prep.passages],
         result.controller.as_dict() if result.controller is not None else None, c.recomputed,
-        "stop" if stopped else result.finish_reason, result.ratio,
+        "stop" if stopped else result.finish_reason, result.ratio, result.fuser,
     )

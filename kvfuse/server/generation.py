@@ -44,7 +44,7 @@ class Outcome:
 
     def kvfuse(self, p: Planned) -> dict[str, Any]:
         r, c = self.result, self.result.counts
-        return {"ttft_s": round(r.ttft_s + self.build_s, 6), "mode": p.mode, "ratio": r.ratio,
+        return {"ttft_s": round(r.ttft_s + self.build_s, 6), "mode": p.mode, "fuser": r.fuser, "ratio": r.ratio,
                 "recomputed_tokens": c.recomputed, "kb_build_s": round(self.build_s, 6),
                 "cached_token_share": round(self.cached / c.prompt, 4) if c.prompt else 0.0,
                 "controller": r.controller.as_dict() if r.controller is not None else None,
