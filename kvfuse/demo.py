@@ -1,5 +1,5 @@
 """`make run`: the Albarán demo. CAG answers a policy question from a persisted knowledge cache; then the
-hybrid fuses a retrieved support ticket after the same cached prefix with blend."""
+hybrid fuses a retrieved support ticket after the same cached prefix with the default fusion mode."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _show(a: Answer) -> None:
 
 
 def run_demo(model: str | None = None, store: str | None = None) -> int:
+    from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
     from kvfuse.runtime import open_engine, open_kb, store_dir
     from kvfuse.weights import cache_dir
@@ -65,9 +66,9 @@ def run_demo(model: str | None = None, store: str | None = None) -> int:
         index = Index.build(docs, tok, chunk_tokens=256, overlap=32)
         index.save(index_dir)
     hits = index.search(TICKET_QUESTION, 1, "hybrid", GROUP)
-    print(f"\n2. Hybrid: the cached policies, plus {hits[0].chunk.doc_id} retrieved and fused with blend\n"
+    print(f"\n2. Hybrid: the cached policies, plus {hits[0].chunk.doc_id} retrieved and fused (mode {DEFAULT_MODE})\n"
           f"  question: {TICKET_QUESTION}")
-    _show(kb.ask(TICKET_QUESTION, GROUP, chunks=[h.chunk for h in hits], ratio=0.15))
+    _show(kb.ask(TICKET_QUESTION, GROUP, chunks=[h.chunk for h in hits]))
     engine.store.flush()
     print("\nRun it again: the second run loads the persisted cache instead of rebuilding it.")
     return 0

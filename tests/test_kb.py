@@ -5,6 +5,7 @@ import torch
 from chartok import CharTokenizer
 from kbdata import DOCS, write_kb
 
+from kvfuse import fuse
 from kvfuse.engine import Engine, Request
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
@@ -113,15 +114,16 @@ def test_hybrid_equals_full_at_ratio_one(kb) -> None:
               IndexChunk("t2", "Ticket 2", (), 0, 25, "Customer on the Team plan.")]
     prep = answer.prepare(kb, "Refund?", "support", passages=chunks, ratio=1.0)
     written, _ = answer.warm(kb, prep)
-    assert prep.mode == "blend" and written == sum(len(c) for c in prep.request.chunks)
+    assert prep.mode == fuse.DEFAULT_MODE and written == sum(len(c) for c in prep.request.chunks)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    hybrid = kb.engine.generate(prep.request, "blend", 1.0, params)
+    hybrid = kb.engine.generate(prep.request, prep.mode, 1.0, params)
     full = kb.engine.generate(Request(suffix=prep.request.suffix, prefix=tuple(prep.request.ids[:-len(
         prep.request.suffix)])), "full", params=params)
     assert hybrid.counts.reused == len(prep.request.ids) - len(prep.request.suffix) - len(prep.plan.ids) % 16
     assert (hybrid.first_logits - full.first_logits).abs().max() < 1e-4 and hybrid.tokens == full.tokens
     cheap = kb.ask("Refund?", "support", chunks=chunks, ratio=0.2, quote=False, max_tokens=3)
-    assert cheap.mode == "blend" and cheap.retrieved == ["t1", "t2"] and cheap.cost_units["write"] == 0
+    assert cheap.mode == fuse.DEFAULT_MODE and cheap.retrieved == ["t1", "t2"] and cheap.cost_units["write"] == 0
+    assert cheap.fuser == fuse.spec_of(fuse.get_fuser(fuse.DEFAULT_MODE)) == "queryaware"
 
 
 def test_groups_get_their_own_prefix_and_never_share_entries(kb) -> None:

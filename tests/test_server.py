@@ -128,7 +128,8 @@ def test_documents_are_cached_on_first_sight(srv) -> None:
         full = h.post("/v1/completions", json={**body, "kvfuse": {"mode": "full"}}).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert second["kvfuse"]["mode"] == "blend" and second["kvfuse"]["recomputed_tokens"] > 0
+    assert second["kvfuse"]["mode"] == "queryaware" and second["kvfuse"]["recomputed_tokens"] > 0
+    assert second["kvfuse"]["fuser"] == "queryaware" and exact["kvfuse"]["fuser"] == "blend"
     assert exact["choices"][0]["text"] == full["choices"][0]["text"]
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kvfuse.runtime import KV_DTYPES
 
-RATIO_HELP = "blend's recompute ratio, between 0 and 1 (default 0.15), or auto (the loading controller)"
+RATIO_HELP = ("the recompute ratio, between 0 and 1 (default: the mode's own, blend 0.15, queryaware 0.2), "
+              "or auto (the loading controller)")
 
 
 def ratio(value: str) -> float | str:

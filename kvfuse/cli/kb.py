@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--group", default=None)
     a.add_argument("--tenant", default=None)
     a.add_argument("--index", default=None, help="a retrieval index (kvfuse index build): the hybrid, top chunks "
-                                                 "fused after the cached prefix with blend")
+                                                 "fused after the cached prefix (the default mode)")
     a.add_argument("--top-k", type=int, default=2, help="chunks retrieved from --index")
     a.add_argument("--retriever", choices=sorted(RETRIEVERS), default="hybrid")
-    a.add_argument("--ratio", default=None, help="blend's recompute ratio for the fused chunks (or auto)")
+    a.add_argument("--ratio", default=None, help="the recompute ratio for the fused chunks (or auto)")
     a.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS, help="answer length limit (a sentence with "
                                                                          "a number; JSON says finish_reason)")
     a.add_argument("--no-quote", action="store_true", help="skip the quote request")

@@ -2,7 +2,8 @@
 
 Built-in fusers register on import, in this order, the same way an extension would: full and prefix
 (exact), reuse, blend (CacheBlend, the paper baseline), legolink (EPIC's baseline) and queryaware
-(ProphetKV-style selection by the question's attention).
+(ProphetKV-style selection by the question's attention, over chunks computed behind a copy of
+themselves: the default mode).
 """
 
 # The built-ins register in this order, which is the order of the modes wherever they are listed.

@@ -3,7 +3,9 @@
 A fuser says which caches it reads (`reads`): "nothing" (full prefill), "prefix" (the longest stored
 run of prefix-and-chunk blocks) or "chunks" (an exact prefix, then each chunk's own cache). Whether it
 is exact (always equals full prefill, so the load-time self-check does not gate it), whether it takes
-blend's ratio, and what a spec's `@arg` means (`blend@0.15`, `legolink@16`) are its own. Adding a
+a recompute ratio (and its default), what a spec's `@arg` means (`blend@0.15`, `legolink@16`), its
+options (dataclass fields, set in a spec as `:OPTION=VALUE`) and what its chunk caches are computed
+behind (`behind`, see BEHIND) are its own. Adding a
 fusion method is one module with a `@register_fuser` class; the engine, the CLI's `--mode`, the
 server's `kvfuse.mode` and the eval's method specs read the list from here.
 """

@@ -12,7 +12,8 @@ MAX_CHARS = 400_000  # per text field: far past any model window, but bounded be
 
 
 class InputDocument(BaseModel):
-    """A chunk fused with blend: its cache is computed the first time it is seen and reused afterwards."""
+    """A chunk fused into the request (the default mode, or kvfuse.mode): its cache is computed the first
+    time it is seen and reused afterwards."""
 
     id: str | None = None
     text: str = Field(min_length=1, max_length=MAX_CHARS)
