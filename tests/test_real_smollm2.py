@@ -52,7 +52,7 @@ def test_smollm2_prefix_and_blend_at_one_equal_full(smol) -> None:  # type: igno
     engine, tok, _ = smol
     req = _request(tok)
     full = engine.prefill(req, "full").fused.logits
-    for mode, ratio in (("prefix", None), ("blend", 1.0)):
+    for mode, ratio in (("prefix", None), ("blend", 1.0), ("queryaware", 1.0)):
         engine.precompute(req, mode)
         got = engine.prefill(req, mode, ratio).fused.logits
         rel = float((got - full).abs().max() / full.abs().max())
