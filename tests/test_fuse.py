@@ -200,3 +200,22 @@ def test_fuser_specs_parse_and_print_back() -> None:
             fuse.parse_spec(bad)
     with pytest.raises(ValueError, match="without an @argument"):
         fuse.parse_fuser("blend@0.2")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pass_in_placed_buffers_equals_a_fresh_pass(models, family: str) -> None:
+    """fuse_chunks over an earlier pass's buffers (chunk KV already re-rotated in place) gives exactly what
+    a pass that reads and places the chunks itself gives, for a shrinking set and a fixed one."""
+    m = models[family]
+    prefix, chunks, suffix = _layout(6)
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    n = sum(len(c) for c in chunks)
+    fixed = torch.arange(0, n, 3)
+    for keep, cand in ((fuse.keep_schedule(m.cfg.num_layers, n, 0.3), None), ([len(fixed)] * m.cfg.num_layers, fixed)):
+        first = fuse.reuse(m, layout)
+        fresh = fuse.fuse_chunks(m, layout, keep, candidates=cand)
+        again = fuse.fuse_chunks(m, layout, keep, candidates=cand, placed=(first.cache.k, first.cache.v))
+        assert torch.equal(fresh.logits, again.logits) and torch.equal(fresh.cache.k, again.cache.k)
+    with pytest.raises(ValueError, match="cannot hold"):
+        fuse.fuse_chunks(m, layout, keep, candidates=cand, placed=(first.cache.k[:, :, :5], first.cache.v[:, :, :5]))

@@ -215,6 +215,7 @@ def fuse_chunks(
     loader: LayerLoader | None = None,
     room: int = 0,
     observe: Observe | None = None,
+    placed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Fused:
     """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
@@ -224,7 +225,10 @@ def fuse_chunks(
     place, nothing ahead), one layer at a time. `candidates` (sorted chunk-token indices) replaces
     "every chunk token" as layer 0's set; `deviation` replaces `kv_deviation` as the score the kept
     tokens are ranked by; `room` reserves token slots for decoding, as in `prefill`; `observe` sees each
-    layer's queries and keys (it changes nothing)."""
+    layer's queries and keys (it changes nothing). `placed` are the K and V buffers of an earlier pass
+    over the same layout (at least `total` tokens long; `Fused.buffers`, or its cache's tensors): they
+    already hold the prefix and every chunk's re-rotated KV on every layer, so nothing is copied in or
+    read again, and only the rows this pass computes are overwritten."""
     chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
@@ -238,8 +242,14 @@ def fuse_chunks(
     start = p + tail.shape[0]  # where the chunks begin
     n = start + n_c
     total = n + suffix.shape[0]
-    k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype, room)
-    _copy_in(parts, k_buf, v_buf)
+    if placed is None:
+        k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype, room)
+        _copy_in(parts, k_buf, v_buf)
+    else:
+        k_buf, v_buf = placed
+        if k_buf.shape[2] < total or k_buf.shape[0] != cfg.num_layers:
+            raise ValueError(f"placed buffers of shape {tuple(k_buf.shape)} cannot hold this layout ({total} tokens)")
+        room = k_buf.shape[2] - total
     pos_all = torch.arange(total)
 
     # Rows of h: the prefix tail, the candidate chunk tokens (as indices into the chunk span), the suffix.
@@ -255,14 +265,16 @@ def fuse_chunks(
     h = model.embed(torch.cat([tail, cand_ids, suffix]))
     selected: list[torch.Tensor] = []
     recomputed = 0
-    own_loader = loader is None
-    loader = loader if loader is not None else LayerLoader(chunks, cfg.num_layers, pipelined=False)
+    own_loader = loader is None and placed is None
+    if loader is None and placed is None:
+        loader = LayerLoader(chunks, cfg.num_layers, pipelined=False)
     try:
         for i in range(cfg.num_layers):
-            layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
             nc = cand.shape[0]
-            if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
-                _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
+            if loader is not None and placed is None:
+                layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
+                if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
+                    _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
             rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
             last = i == cfg.num_layers - 1  # only the last row's output is used there (the logits)
             top, q_rows = torch.arange(nc), rows
@@ -287,6 +299,6 @@ def fuse_chunks(
             selected.append(cand)
             recomputed += int(cand.shape[0])
     finally:
-        if own_loader:
+        if own_loader and loader is not None:
             loader.close()
     return _fused(k_buf, v_buf, total, model.logits(h)[0], room, recomputed, selected)

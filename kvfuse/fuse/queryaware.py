@@ -4,7 +4,8 @@ matter, then recompute those on every layer.
 Pass 1 is plain reuse: the prefix tail and the suffix are computed over the reused, re-rotated chunk
 caches, and on every counted layer the suffix's attention over each chunk token is summed over heads and
 suffix tokens. Pass 2 recomputes the top `ratio` of chunk tokens by that score on every layer, as one
-fixed set (legolink's schedule with a chosen set), reading the chunk layers pass 1 already read.
+fixed set (legolink's schedule with a chosen set), in pass 1's buffers: the chunk caches are read,
+re-rotated and copied once, by pass 1.
 
 Options (`queryaware@R:option=value`):
 - `layers`: which layers' attention counts: "global" (the default: the full-attention layers of a
@@ -24,7 +25,6 @@ layers); at 0.15 about as much as blend@0.15's schedule.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,34 +32,17 @@ import torch
 
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
 from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
-from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
 
 DEFAULT_RATIO = 0.2  # the default fuser's ratio: at most 0.30x full's TTFT on Gemma 3 270M (docs/benchmarks.md)
 FILTER_LAYERS = 2  # with `wide`, how many layers recompute the wide set before it narrows
 
 
-class _Read:
-    """A chunk's layers as pass 1 read them, served again to pass 2 (nothing is read twice)."""
-
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
-        self.layers, self.positions = layers, positions
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
-
-    def __len__(self) -> int:
-        return int(self.positions.shape[0])
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layers[i]
-
-
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
-                     ctx: FuseContext = IN_PLACE) -> tuple[torch.Tensor, LayerLoader]:
+                     ctx: FuseContext = IN_PLACE) -> tuple[torch.Tensor, Fused]:
     """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
-    heads and suffix queries, from a reuse pass; and the loader that read the chunk layers."""
+    heads and suffix queries, from a reuse pass; and that pass's result, whose buffers hold every
+    chunk's re-rotated KV on every layer (with ctx.room tokens of room)."""
     cfg = model.cfg
     full = {i for i in range(cfg.num_layers) if cfg.window(i) is None}
     counted = full if layers == "global" and full else set(range(cfg.num_layers))  # no full layer: all count
@@ -73,9 +56,9 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
             probs = model.attention_weights(i, q[:, mine], q_rows[mine], keys, k_pos)  # (heads, S, total)
             score.add_(probs[:, :, start:n].sum(dim=(0, 1)))
 
-    loader = ctx.loader if ctx.loader is not None else LayerLoader(layout.chunks, cfg.num_layers, pipelined=False)
-    fuse_chunks(model, layout, [0] * cfg.num_layers, rotate=ctx.rotate, loader=loader, observe=observe)
-    return score, loader
+    first = fuse_chunks(model, layout, [0] * cfg.num_layers, rotate=ctx.rotate, loader=ctx.loader, observe=observe,
+                        room=ctx.room)
+    return score, first
 
 
 def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
@@ -84,16 +67,16 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
     n_c = layout.chunk_tokens
-    score, loader = suffix_attention(model, layout, layers, ctx)
+    score, reused = suffix_attention(model, layout, layers, ctx)
     k = min(n_c, math.ceil(ratio * n_c - 1e-9))
     first = max(k, min(n_c, math.ceil(wide * n_c - 1e-9)))  # the set of the first layers (k: fixed set)
     chosen = torch.topk(score, first).indices.sort().values if first else torch.empty(0, dtype=torch.int64)
-    read = [_Read([kv[c] for kv in loader.loaded], src.positions) for c, src in enumerate(layout.chunks)]
-    again = FuseLayout(layout.prefix, layout.prefix_tail, tuple(read), layout.chunk_ids, layout.suffix)
     layers_n = model.cfg.num_layers
     keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS) if first > k \
         else [k] * layers_n
-    return fuse_chunks(model, again, keep, candidates=chosen, rotate=ctx.rotate, room=ctx.room)
+    # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
+    placed = reused.buffers if reused.buffers is not None else (reused.cache.k, reused.cache.v)
+    return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed)
 
 
 @register_fuser
