@@ -102,7 +102,7 @@ def test_cli_generate_json_in_every_mode(real, tmp_path, capsys) -> None:  # typ
                 *ratio, "--max-tokens", "8", "--json", "--store", str(tmp_path / "store")]
         assert main(argv) == 0
         out = json.loads(capsys.readouterr().out)
-        assert set(out) == {"answer", "mode", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top",
+        assert set(out) == {"answer", "mode", "fuser", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top",
                             "store", "controller"}
         assert set(out["store"]) == {"hits", "misses", "corrupt", "bytes_read", "tiers_used"}
         assert set(out["tokens"]) == {"prompt", "prefilled", "reused", "recomputed"}
@@ -181,7 +181,8 @@ def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # typ
     first = _cli("precompute", "--chunk-file", str(chunk), "--store", store)
     again = _cli("precompute", "--chunk-file", str(chunk), "--store", store)
     assert (first["computed"], again["computed"], again["already_cached"]) == (1, 0, 1)
-    out = _cli("generate", "--chunk-file", str(chunk), "--question", "Who?", "--mode", "blend", "--ratio", "auto",
+    # precompute stores what the default mode reads (queryaware: chunks behind a copy of themselves)
+    out = _cli("generate", "--chunk-file", str(chunk), "--question", "Who?", "--mode", "queryaware", "--ratio", "auto",
                "--max-tokens", "4", "--json", "--store", store)
     assert out["controller"]["tier"] == "disk" and out["ratio"] == out["controller"]["ratio"] >= 0.15
     assert out["store"]["hits"] >= 1 and "disk" in out["store"]["tiers_used"]  # the chunk came from disk

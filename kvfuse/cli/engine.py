@@ -116,6 +116,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.text import Prompt
 
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
@@ -123,8 +124,10 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     rt = open_engine(args.model, where, args.kv_dtype)
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
-    for chunk in tqdm(req.chunks, desc="precomputing chunk caches", unit="chunk"):
-        computed += int(not rt.engine.cache.chunk_cache(chunk)[1])
+    # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)
+    behind = rt.engine.cache.chunk_preambles(rt.engine.fuser(DEFAULT_MODE), req)
+    for chunk, pre in tqdm(list(zip(req.chunks, behind, strict=True)), desc="precomputing chunk caches", unit="chunk"):
+        computed += int(not rt.engine.cache.chunk_cache(chunk, None, pre)[1])
     rt.engine.store.flush()
     print(json.dumps({"chunks": len(req.chunks), "computed": computed, "already_cached": len(req.chunks) - computed,
                       "seconds": round(time.perf_counter() - t0, 3), "store": str(where)}))

@@ -138,7 +138,9 @@ def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, f
         written, build_s = report.tokens_recomputed, report.build_s
     if chunks and prep.request.chunks:
         eng, req = kb.engine, prep.request
-        written += sum(len(c) for c in req.chunks if eng.cache.chunk_key(c, req.chunk_salt) not in eng.store)
+        behind = eng.cache.chunk_preambles(eng.fuser(prep.mode), req)  # what the mode's caches are computed behind
+        written += sum(len(c) for c, p in zip(req.chunks, behind, strict=True)
+                       if eng.cache.chunk_key(c, req.chunk_salt, p) not in eng.store)
         eng.precompute(req, prep.mode)
     return written, build_s
 
