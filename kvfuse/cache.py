@@ -137,12 +137,15 @@ class CacheManager:
         """What each of the request's chunk caches is computed behind, for this fuser (`fuse.BEHIND`)."""
         return fuse.chunk_preambles(fuser, req.prefix, req.chunks, self.preamble)
 
+    def _behind(self, preamble: Sequence[int] | None) -> tuple[int, ...]:
+        """A chunk's preamble: the one given, else the engine's (BOS)."""
+        return self.preamble if preamble is None else tuple(preamble)
+
     def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None,
                   preamble: Sequence[int] | None = None) -> ChunkKey:
         """The store key of a chunk's cache (computed behind the preamble, by default the engine's, in the
         KV dtype)."""
-        behind = self.preamble if preamble is None else preamble
-        return chunk_key(self.fingerprint, self.kv_dtype, behind, chunk, salt.key() if salt else "")
+        return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salt.key() if salt else "")
 
     def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None,
                     preamble: Sequence[int] | None = None) -> tuple[KVCache, bool]:
@@ -154,8 +157,7 @@ class CacheManager:
         return self.compute_chunk(chunk, key, preamble), False
 
     def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None) -> KVCache:
-        behind = self.preamble if preamble is None else preamble
-        cache = fuse.precompute_chunk(self.model, behind, chunk).to(self.kv_dtype)
+        cache = fuse.precompute_chunk(self.model, self._behind(preamble), chunk).to(self.kv_dtype)
         self.store.put(key, cache)
         return cache
 
@@ -164,7 +166,7 @@ class CacheManager:
 
         `preambles`: what each chunk is computed behind (default: the engine's preamble)."""
         first = self.store.tiers[0].name
-        pre = tuple(preambles) if preambles is not None else (self.preamble,) * len(req.chunks)
+        pre = tuple(preambles) if preambles is not None else (self._behind(None),) * len(req.chunks)
         out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre)
         slowest = 0
         names = [t.name for t in self.store.tiers]

@@ -85,7 +85,7 @@ def parse_methods(spec: str) -> list[Method]:
         if base not in METHODS:
             raise ValueError(f"unknown method {item!r}; known: {', '.join(sorted(METHODS))} (with @arg where needed)")
         rest = item[len(base):]
-        m = METHODS[base](rest.removeprefix("@") if rest.startswith("@") else (rest or None))
+        m = METHODS[base](rest.removeprefix("@") or None)  # "@ARG...", or a fuser's ":options" as they are
         if m.name not in {x.name for x in out}:
             out.append(m)
     if not out:

@@ -266,12 +266,13 @@ def fuse_chunks(
     selected: list[torch.Tensor] = []
     recomputed = 0
     own_loader = loader is None and placed is None
-    if loader is None and placed is None:
+    if own_loader:
         loader = LayerLoader(chunks, cfg.num_layers, pipelined=False)
     try:
         for i in range(cfg.num_layers):
             nc = cand.shape[0]
-            if loader is not None and placed is None:
+            if placed is None:  # this pass reads the chunk layers itself
+                assert loader is not None
                 layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
                 if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
                     _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)

@@ -72,8 +72,7 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
     first = max(k, min(n_c, math.ceil(wide * n_c - 1e-9)))  # the set of the first layers (k: fixed set)
     chosen = torch.topk(score, first).indices.sort().values if first else torch.empty(0, dtype=torch.int64)
     layers_n = model.cfg.num_layers
-    keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS) if first > k \
-        else [k] * layers_n
+    keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS)  # first == k: fixed
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
     placed = reused.buffers if reused.buffers is not None else (reused.cache.k, reused.cache.v)
     return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed)

@@ -154,10 +154,7 @@ def parse_spec(spec: str) -> tuple[Fuser, float | str | None]:
     ARG is the fuser's own (a ratio, legolink's head tokens); each option sets one of its fields."""
     head, *options = spec.split(":")
     name, at, arg = head.partition("@")
-    cls = FUSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown fuser {name!r}; known: {', '.join(FUSERS)}")
-    fuser, ratio = cls.from_arg(arg if at else None)
+    fuser, ratio = _registered(name).from_arg(arg if at else None)
     return with_options(fuser, options), ratio
 
 
@@ -166,11 +163,14 @@ def parse_fuser(spec: str) -> Fuser:
     name, *options = spec.split(":")
     if "@" in name:
         raise ValueError(f"{spec!r}: give the fuser and its options without an @argument")
-    try:
-        fuser = get_fuser(name)
-    except KeyError:
-        raise ValueError(f"unknown fuser {name!r}; known: {', '.join(FUSERS)}") from None
-    return with_options(fuser, options)
+    return with_options(_registered(name)(), options)
+
+
+def _registered(name: str) -> type[Fuser]:
+    cls = FUSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown fuser {name!r}; known: {', '.join(FUSERS)}")
+    return cls
 
 
 def with_options(fuser: Fuser, options: Sequence[str]) -> Fuser:
@@ -196,16 +196,20 @@ def with_options(fuser: Fuser, options: Sequence[str]) -> Fuser:
 def spec_of(fuser: Fuser, ratio: float | str | None = None) -> str:
     """The spec `parse_spec` reads back as this fuser: its label, then every option not at its default
     (fields marked `metadata={"arg": True}` are in the label's @arg already)."""
-    extra = [f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser)
-             if not f.metadata.get("arg") and getattr(fuser, f.name) != f.default]
-    return fuser.label(ratio) + "".join(extra)
+    return fuser.label(ratio) + _options(fuser, defaults=False)
 
 
 def fuser_key(fuser: Fuser) -> str:
     """The name a calibration curve is kept under: the label without a ratio and every option, defaults
     included (so a curve never silently applies to another fuser when a default changes)."""
-    opts = [f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser) if not f.metadata.get("arg")]
-    return fuser.label(None) + "".join(opts)
+    return fuser.label(None) + _options(fuser, defaults=True)
+
+
+def _options(fuser: Fuser, defaults: bool) -> str:
+    """`:OPTION=VALUE` for each field not in the label's @arg (metadata `arg`), those at their default
+    only with `defaults`."""
+    return "".join(f":{f.name}={getattr(fuser, f.name)}" for f in _fields(fuser)
+                   if not f.metadata.get("arg") and (defaults or getattr(fuser, f.name) != f.default))
 
 
 def _fields(fuser: Fuser) -> tuple[dataclasses.Field[object], ...]:
