@@ -344,6 +344,7 @@ def test_unsupported_and_null_parameters(srv) -> None:
 def test_a_tenant_gets_the_same_cache_keys_from_the_library_and_the_server(srv) -> None:
     """One salt type: the server stores a tenant's chunk and prefix blocks under exactly the keys the
     library (`kb.answer.prepare`, what `kvfuse ask` runs) computes for that tenant."""
+    from kvfuse.fuse import DEFAULT_MODE, get_fuser
     from kvfuse.kb import answer
     from kvfuse.rag.index import IndexChunk
 
@@ -353,7 +354,9 @@ def test_a_tenant_gets_the_same_cache_keys_from_the_library_and_the_server(srv) 
     passage = IndexChunk("t9001", "", (), 0, len(text), text)  # untitled: its prompt text is the text itself
     lib = answer.prepare(kb, "Refund?", "support", "acme", [passage])
     chunk = lib.request.chunks[0]
-    tenant_key, shared_key = eng.cache.chunk_key(chunk, lib.request.chunk_salt), eng.cache.chunk_key(chunk)
+    (behind,) = eng.cache.chunk_preambles(get_fuser(DEFAULT_MODE), lib.request)  # what the server's mode reads
+    tenant_key = eng.cache.chunk_key(chunk, lib.request.chunk_salt, behind)
+    shared_key = eng.cache.chunk_key(chunk, None, behind)
     assert tenant_key != shared_key and tenant_key not in eng.store
     with client(srv) as h:  # SUPPORT is tenant acme
         r = h.post("/v1/completions", json={"kb": "demo", "prompt": "Refund?", "max_tokens": 1,
