@@ -1,13 +1,13 @@
 """Fidelity against cost of the registered fusers, on real MuSiQue passages (issue G's probe protocol).
 
     .venv/bin/python benchmarks/fuser_fidelity.py [--model smollm2-135m-instruct] [--cases 10] [--passages 6]
-        [--methods reuse,blend@0.15,queryaware@0.25:behind=self,...]
+        [--methods reuse,blend@0.15,queryaware@0.25:behind=self,...] [--rounds 5]
 
 For each case every method's chunk caches are precomputed (behind the preamble its `behind` option
 names) and held in memory; full prefill is the reference. Per method: mean KL(full || method) of the
 next-token distribution after the prompt, the first-token agreement, the recomputed share of the
-chunk tokens, and the TTFT ratio to full (the engine's own TTFT, median of the per-case ratios;
-methods run back to back within a case).
+chunk tokens, and the TTFT ratio to full (the engine's own TTFT; per case, the median over `--rounds`
+interleaved rounds of full and every method, then the median of the per-case ratios).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--passages", type=int, default=6)
     ap.add_argument("--methods", default=METHODS, help="comma-separated fuser specs")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per case (median)")
     args = ap.parse_args()
     methods = {spec: fuse.parse_spec(spec) for spec in args.methods.split(",") if spec}
     path = resolve_model_path(args.model)
@@ -55,15 +56,21 @@ def main() -> None:
         for mode, _ in methods.values():
             engine.precompute(req, mode)
         engine.generate(req, "reuse", params=one)  # warm
-        full = engine.generate(req, "full", params=one)
-        for name, (mode, r) in methods.items():
+        times: dict[str, list[float]] = {k: [] for k in ("full", *methods)}
+        for _ in range(max(1, args.rounds)):
+            full = engine.generate(req, "full", params=one)
+            times["full"].append(full.ttft_s)
+            for name, (mode, r) in methods.items():
+                g = engine.generate(req, mode, r, params=one)
+                times[name].append(g.ttft_s)
+        for name, (mode, r) in methods.items():  # fidelity from the last round (every round is the same)
             g = engine.generate(req, mode, r, params=one)
             kls[name].append(kl_divergence(full.first_logits, g.first_logits))
             agree[name] += int(int(g.first_logits.argmax()) == int(full.first_logits.argmax()))
-            ratio[name].append(g.ttft_s / full.ttft_s)
+            ratio[name].append(statistics.median(times[name]) / statistics.median(times["full"]))
             share[name].append(g.counts.recomputed / max(1, g.counts.reused))
     print(f"{Path(path).name}: {len(cases)} MuSiQue cases (from {args.offset}), {args.passages} passages each, "
-          f"chunk caches precomputed\n")
+          f"chunk caches precomputed, {max(1, args.rounds)} timing rounds\n")
     print("| method | mean KL(full‖method) | median KL | first-token agreement | recomputed share | TTFT / full |")
     print("|---|---|---|---|---|---|")
     for name in methods:
