@@ -92,7 +92,7 @@ class CacheManager:
     def read_prefix(self, hashes: Sequence[BlockHash]) -> list[KVCache]:
         """The longest run of stored blocks at the start, in order, in the model's dtype."""
         blocks = []
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.compute_dtype
         with one_thread():
             for h in hashes:
                 c = self.store.get(h)

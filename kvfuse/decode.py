@@ -108,7 +108,7 @@ def _probe(model: Decoder, limit: int, screen: GreedyHead | None, seed: int) -> 
     gen = torch.Generator().manual_seed(seed)
     ctx = 7 + 5 * seed
     shape = (cfg.num_layers, cfg.num_kv_heads, ctx, cfg.head_dim)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.compute_dtype
     caches = [KVCache(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype),
                       torch.arange(ctx)) for _ in range(limit)]
     toks = torch.randint(0, cfg.vocab_size, (limit,), generator=gen).tolist()

@@ -71,14 +71,15 @@ class Engine:
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, store_dir: str | Path | None = None, **kwargs: object
+        cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
+        **kwargs: object
     ) -> Engine:
-        """Load a checkpoint (default: Gemma 3 270M), open its store (memory, plus disk at store_dir)
-        and run the self-check."""
+        """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`), open its
+        store (memory, plus disk at store_dir) and run the self-check."""
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
-        loaded = load_model(path)
+        loaded = load_model(path, precision)
         store = open_store(store_dir, loaded.fingerprint)
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
@@ -205,7 +206,8 @@ class Engine:
     def greedy_head(self) -> GreedyHead | None:
         """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
         if self._greedy_head is False:
-            self._greedy_head = GreedyHead.build(self.model.head_weight()) if self.greedy_screen else None
+            fp32 = self.model.compute_dtype == torch.float32  # the screen's bound is for a float32 head
+            self._greedy_head = GreedyHead.build(self.model.head_weight()) if self.greedy_screen and fp32 else None
         return self._greedy_head  # type: ignore[return-value]
 
     def stream(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,

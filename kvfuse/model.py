@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfuse.config import ModelConfig
+from kvfuse.quant import Int8Embedding
 from kvfuse.rope import apply_rope, rope_cos_sin
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
@@ -87,7 +88,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         if not cfg.tie_embeddings:
@@ -97,6 +98,11 @@ class Decoder(nn.Module):
 
     def block(self, i: int) -> Block:
         return cast(Block, self.layers[i])
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of hidden states and of the KV this model computes (its precision's, `precision.py`)."""
+        return self.norm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (T,) -> hidden states (T, hidden)."""
@@ -224,12 +230,23 @@ class Decoder(nn.Module):
         return self.finish(i, h, self.attend(i, q, pos, keys, values, k_pos)), k, v
 
     def head_weight(self) -> torch.Tensor:
-        """The LM head's (vocab, hidden) weight: the embeddings when they are tied."""
-        return self.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        """The LM head's (vocab, hidden) float weight: the embeddings when they are tied."""
+        head = self.embed_tokens if self.cfg.tie_embeddings else self.lm_head
+        if not isinstance(head, nn.Embedding | nn.Linear):
+            raise TypeError("an int8 model's LM head has no float weight")
+        return head.weight
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head alone on normed hidden states: (T, hidden) -> (T, vocab) in the compute dtype."""
+        if not self.cfg.tie_embeddings:
+            return cast(torch.Tensor, self.lm_head(x))
+        if isinstance(self.embed_tokens, Int8Embedding):  # an int8 table is its own head
+            return self.embed_tokens.linear(x)
+        return F.linear(x, self.embed_tokens.weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: (T, hidden) -> (T, vocab) in float32."""
-        out = F.linear(self.norm(h), self.head_weight()).float()
+        out = self.head(self.norm(h)).float()
         if self.cfg.final_softcap is not None:
             out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
         return out

@@ -52,8 +52,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., T, D) by per-position cos/sin (T, D)."""
-    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+    """Rotate x (..., T, D) by per-position cos/sin (T, D); a low-precision x is rotated in float32 and
+    rounded once (bfloat16 cos and sin would be off by a degree at a few thousand positions)."""
+    if x.dtype == cos.dtype:
+        return (x * cos) + (_rotate_half(x) * sin)
+    xf = x.float()
+    return ((xf * cos.float()) + (_rotate_half(xf) * sin.float())).to(x.dtype)
 
 
 def _shift(

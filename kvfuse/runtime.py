@@ -36,8 +36,9 @@ class Opened:
         return self.model_path.name
 
 
-def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp32") -> Opened:
-    """Load the checkpoint (default: Gemma 3 270M) with its store and tokenizer."""
+def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp32",
+                precision: str = "fp32") -> Opened:
+    """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store and tokenizer."""
     import torch
 
     from kvfuse.engine import Engine
@@ -45,7 +46,7 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp
     from kvfuse.weights import resolve_model_path
 
     path = Path(resolve_model_path(model))
-    engine = Engine.load(path, store_dir=store, kv_dtype=getattr(torch, KV_DTYPES[kv_dtype]))
+    engine = Engine.load(path, store_dir=store, precision=precision, kv_dtype=getattr(torch, KV_DTYPES[kv_dtype]))
     return Opened(engine, Tokenizer(path), path)
 
 

@@ -22,6 +22,9 @@ import torch
 
 from kvfuse.config import CheckpointError, ModelConfig
 from kvfuse.model import Decoder
+from kvfuse.precision import DEFAULT_PRECISION, load_dtype
+from kvfuse.precision import apply as apply_precision
+from kvfuse.precision import fingerprint as precision_fingerprint
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
 
@@ -44,7 +47,8 @@ def default_model_dir() -> Path:
 class LoadedModel:
     model: Decoder
     path: Path
-    fingerprint: str  # sha256 of config.json and the weight files; two checkpoints never share it
+    fingerprint: str  # sha256 of config.json and the weight files (and the precision, if not fp32)
+    precision: str = DEFAULT_PRECISION
 
 
 def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
@@ -60,9 +64,12 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
     return p
 
 
-def load_model(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode."""
+def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION) -> LoadedModel:
+    """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode, at a precision
+    (`precision.PRECISIONS`), fingerprinted with it."""
     from safetensors.torch import load_file
+
+    dtype = load_dtype(precision)
 
     root = resolve_model_path(path)
     cfg = ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))
@@ -84,8 +91,9 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = 
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
     model.load_state_dict(state, assign=True)
-    model.eval().requires_grad_(False)
-    return LoadedModel(model=model, path=root, fingerprint=fingerprint(root, files))
+    apply_precision(model, precision).eval().requires_grad_(False)
+    return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
+                       precision=precision)
 
 
 def _our_name(hf_name: str) -> str:

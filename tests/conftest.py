@@ -35,6 +35,23 @@ def tiny_engines(tiny_models):  # type: ignore[no-untyped-def]
     return engines
 
 
+@pytest.fixture(scope="session")
+def engine_at(tiny_models):  # type: ignore[no-untyped-def]
+    """engine_at(family, precision): a tiny engine at that precision (fp32, bf16, int8), built once."""
+    from kvfuse.engine import Engine
+    from kvfuse.weights import load_model
+
+    built: dict[tuple[str, str], Engine] = {}
+
+    def get(family: str, precision: str) -> Engine:
+        if (family, precision) not in built:
+            lm = load_model(tiny_models[family][0], precision)
+            built[family, precision] = Engine(lm.model, lm.fingerprint)
+        return built[family, precision]
+
+    return get
+
+
 def rand_ids(n: int, seed: int, vocab: int = 128, low: int = 3) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(int(x) for x in torch.randint(low, vocab, (n,), generator=g))

@@ -25,9 +25,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_stepping_together_equals_stepping_alone(tiny_engines, family: str) -> None:
-    e = tiny_engines[family]
+def test_stepping_together_equals_stepping_alone(engine_at, family: str, precision: str) -> None:
+    e = engine_at(family, precision)
     assert e.decode_batch_limit() >= 2  # (tiny shapes batch 2 rows bitwise on x86; Gemma's up to 15)
     reqs = [(_request(seed, 1 + seed % 3), mode, ratio, params, rec) for seed, mode, ratio, params, rec in CASES]
     for r, mode, *_ in reqs:

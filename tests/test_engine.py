@@ -38,17 +38,23 @@ def test_full_decoding_matches_naive_generate(tiny_engines, family: str) -> None
         assert got == naive_greedy(e.model, req.ids, 10)
 
 
+# first-token logits, relative to their largest: bfloat16 kernels round differently by shape (the suffix
+# runs through the causal kernel in full, the masked one after a cache), a few of its 8-bit roundings
+TOLERANCE = {"fp32": 1e-4, "bf16": 4 * 2**-8, "int8": 4 * 2**-8}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
-def test_prefix_and_blend_at_one_generate_like_full(tiny_engines, family: str) -> None:
-    e = tiny_engines[family]
+def test_prefix_and_blend_at_one_generate_like_full(engine_at, family: str, precision: str) -> None:
+    e = engine_at(family, precision)
     req = _request(2)
     full = e.generate(req, "full", params=GREEDY)
-    for mode, ratio in (("prefix", None), ("prefix", None), ("blend", 1.0)):
+    for mode, ratio in (("prefix", None), ("prefix", None), ("blend", 1.0), ("queryaware", 1.0)):
         e.precompute(req, mode)
         out = e.generate(req, mode, ratio, GREEDY)
         assert out.tokens == full.tokens, mode
-        diff = (out.first_logits - full.first_logits).abs().max()
-        assert diff < 1e-4, f"{mode}: first-token logits differ by {diff:.2e}"
+        diff = (out.first_logits - full.first_logits).abs().max() / full.first_logits.abs().max().clamp_min(1.0)
+        assert diff <= TOLERANCE[precision], f"{mode}: first-token logits differ by {diff:.2e}"
 
 
 def test_token_accounting(tiny_engines) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvfuse.precision import DEFAULT_PRECISION, PRECISIONS
 from kvfuse.runtime import KV_DTYPES
 
 RATIO_HELP = ("the recompute ratio, between 0 and 1 (default: the mode's own, blend 0.15, queryaware 0.2), "
@@ -29,7 +30,11 @@ def read(path: str, flag: str) -> str:
 
 
 def model_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M, converted once)")
+    p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
+                                                 "HF checkpoint dir (default: Gemma 3 270M, converted once)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
+                   help="weights and activations: fp32, bf16, or int8 weights with bf16 activations "
+                        f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
 
 
 def store_flag(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvfuse.cli.args import model_flag
+
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.15,legolink@16,default"
 
 
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--chunk-tokens", type=int, default=512, help="chunk size limit in tokens")
     e.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
     e.add_argument("--out", help="output directory (eval, deviation) or file (make-crosschunk)")
-    e.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M)")
+    model_flag(e)
     e.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3,0.5", help="deviation: the ratios to sweep")
     e.add_argument("--n", type=int, default=60, help="make-crosschunk: number of cases")
     e.add_argument("--seed", type=int, default=0, help="make-crosschunk: random seed")
@@ -38,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     c = sub.add_parser("calibrate", help="measure each fuser's fidelity against cost on this model; ratio auto's "
                                          "floor becomes the smallest ratio that reaches the target")
-    c.add_argument("--model", default=None, help="local HF checkpoint dir or packaged model (default: Gemma 3 270M)")
+    model_flag(c)
     c.add_argument("--cases", type=int, default=8, help="calibration cases, generated (never the eval data)")
     c.add_argument("--seed", type=int, default=None, help="the calibration set's seed (default: its own, 1234)")
     c.add_argument("--fusers", default="blend,queryaware",
@@ -72,7 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods) if args.action is None else []
     except (DataError, ValueError) as e:
         raise SystemExit(f"kvfuse: {e}") from None
-    engine, tok, name = _engine(args.model)
+    engine, tok, name = _engine(args.model, args.precision)
     out = Path(args.out)
     if args.action == "deviation":
         from kvfuse.eval.deviation import run_deviation
@@ -102,11 +104,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(model: str | None):  # type: ignore[no-untyped-def]
+def _engine(model: str | None, precision: str):  # type: ignore[no-untyped-def]
     from kvfuse.runtime import open_engine
 
-    print(f"loading {model or 'the default model'}", file=sys.stderr, flush=True)
-    rt = open_engine(model, None)
+    print(f"loading {model or 'the default model'} ({precision})", file=sys.stderr, flush=True)
+    rt = open_engine(model, None, precision=precision)
     return rt.engine, rt.tok, rt.model_id
 
 
@@ -163,7 +165,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target = DEFAULT_TARGET_KL if args.target_kl is None else args.target_kl
     if target <= 0 or args.cases <= 0 or args.answer_tokens <= 0:
         raise SystemExit("kvfuse: --target-kl, --cases and --answer-tokens must be positive")
-    engine, tok, name = _engine(args.model)
+    engine, tok, name = _engine(args.model, args.precision)
     seed = DEFAULT_SEED if args.seed is None else args.seed
     cases = cases_from(make_cases(args.cases, seed, lambda text: len(tok.encode(text))), "the calibration set")
     cal = calibrate(engine, tok, cases, fusers, ratios, target, args.answer_tokens, seed, progress=not args.quiet)

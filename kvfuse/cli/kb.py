@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfuse.cli.args import fail as _fail
+from kvfuse.cli.args import model_flag
 from kvfuse.runtime import bundled, open_engine, store_dir
 
 
@@ -69,12 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M)")
+    model_flag(p)
     p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def open_kb(path: str, model: str | None, store: str | None) -> Any:
+def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32") -> Any:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
 
@@ -83,7 +84,7 @@ def open_kb(path: str, model: str | None, store: str | None) -> Any:
     except KBError as e:
         raise _fail(e) from None
     where = store_dir(store)
-    rt = open_engine(model, where)
+    rt = open_engine(model, where, precision=precision)
     return KnowledgeBase(rt.engine, rt.tok, manifest, state_dir=where)
 
 
@@ -101,7 +102,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
     if args.action == "stats":
         return _stats(args)
-    kb = open_kb(args.dir, args.model, args.store)
+    kb = open_kb(args.dir, args.model, args.store, args.precision)
     try:
         report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
     except KBError as e:
@@ -188,7 +189,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             index = Index.load(args.index)
         except RetrievalIndexError as e:
             raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store)
+    kb = open_kb(args.kb, args.model, args.store, args.precision)
     group = _group(kb, args.group)
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
@@ -230,7 +231,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         questions = load_questions(args.questions)[: args.cases]
     except KBError as e:
         raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store)
+    kb = open_kb(args.kb, args.model, args.store, args.precision)
     group = _group(kb, args.group)
     try:
         res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet,

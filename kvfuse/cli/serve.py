@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvfuse.cli.args import model_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, knowledge bases)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None, help="local HF checkpoint dir (default: Gemma 3 270M)")
+    model_flag(s)
     s.add_argument("--kb", action="append", default=[], help="knowledge-base dir, served under its name (repeatable; "
                                                              "albaran is the bundled demo)")
     s.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
@@ -43,7 +45,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if len(set(names)) != len(names):
         raise SystemExit(f"kvfuse: two --kb directories have the same name ({', '.join(names)})")
     store = store_dir(args.store)
-    rt = open_engine(args.model, store)
+    rt = open_engine(args.model, store, precision=args.precision)
     rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}

@@ -97,7 +97,7 @@ def prefill(
     parts = [past] if isinstance(past, KVCache) else list(past or [])
     start = sum(len(c) for c in parts)
     end = start + ids.shape[0]
-    k_buf, v_buf = _buffers(model.cfg, end, model.embed_tokens.weight.dtype, room)
+    k_buf, v_buf = _buffers(model.cfg, end, model.compute_dtype, room)
     _copy_in(parts, k_buf, v_buf)
     h = _run(model, ids, k_buf, v_buf, start)
     return _fused(k_buf, v_buf, end, model.logits(h)[0], room)
@@ -127,7 +127,7 @@ def precompute_chunk(
     if start < len(pre):
         raise ValueError("a chunk cannot start inside its preamble")
     pos = torch.cat((torch.arange(len(pre)), torch.arange(start, start + len(ids))))
-    k_buf, v_buf = _buffers(model.cfg, len(pos), model.embed_tokens.weight.dtype)
+    k_buf, v_buf = _buffers(model.cfg, len(pos), model.compute_dtype)
     h = model.embed(torch.cat((pre, ids)))
     last = model.cfg.num_layers - 1
     for i in range(last):
@@ -243,7 +243,7 @@ def fuse_chunks(
     n = start + n_c
     total = n + suffix.shape[0]
     if placed is None:
-        k_buf, v_buf = _buffers(cfg, total, model.embed_tokens.weight.dtype, room)
+        k_buf, v_buf = _buffers(cfg, total, model.compute_dtype, room)
         _copy_in(parts, k_buf, v_buf)
     else:
         k_buf, v_buf = placed

@@ -1,0 +1,75 @@
+"""Precisions: the dtype a model's weights and activations are computed in (`--precision`).
+
+- `fp32`: float32 throughout; the oracle the others are measured against.
+- `bf16`: weights and activations in bfloat16 (AMX matmuls on this CPU). Norms and softmax compute in
+  float32 inside their kernels and round back; the residual stream is bfloat16, as in the model's own
+  training precision (the fidelity against fp32 is measured in docs/benchmarks.md).
+- `int8`: weight-only int8 with a per-output-row scale for every linear layer and the LM head
+  (`quant.py`), bfloat16 activations, norms and embeddings lookups dequantised from the same table.
+
+A precision is part of the model fingerprint (`fingerprint`), so caches, profiles and calibrations of
+different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads the names without it
+    import torch
+
+    from kvfuse.model import Decoder
+
+PRECISIONS = ("fp32", "bf16", "int8")
+DEFAULT_PRECISION = "fp32"
+LOAD_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32"}  # int8 rounds from the float weights
+
+
+def check(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    from kvfuse.quant import available
+
+    if precision == "int8" and not available():
+        raise ValueError("precision int8 needs torch._weight_int8pack_mm, which this PyTorch lacks")
+    return precision
+
+
+def fingerprint(checkpoint: str, precision: str) -> str:
+    """The model fingerprint of a checkpoint run at a precision."""
+    return checkpoint if check(precision) == "fp32" else f"{checkpoint}-{precision}"
+
+
+def load_dtype(precision: str) -> torch.dtype:
+    """The dtype a checkpoint is read in for this precision."""
+    import torch
+
+    return getattr(torch, LOAD_DTYPE[check(precision)])  # type: ignore[no-any-return]
+
+
+def apply(model: Decoder, precision: str) -> Decoder:
+    """Convert a loaded float model to the precision, in place (and return it)."""
+    import torch
+    from torch import nn
+
+    from kvfuse.quant import Int8Embedding
+
+    check(precision)
+    if precision == "fp32":
+        return model.float()
+    if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in bf16
+        _quantize_linears(model)
+        if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
+            model.embed_tokens = Int8Embedding(model.embed_tokens)
+    return model.to(torch.bfloat16)  # what is left (norms, an untied table, biases) in bfloat16
+
+
+def _quantize_linears(model: Decoder) -> None:
+    from torch import nn
+
+    from kvfuse.quant import Int8Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))

@@ -1,0 +1,92 @@
+"""Precisions (fp32, bf16, int8): what each computes, against the float32 oracle, and that they never mix."""
+
+import pytest
+import torch
+from conftest import rand_ids
+
+from kvfuse import precision, quant
+from kvfuse.engine import Request
+from kvfuse.metrics import kl_divergence
+from kvfuse.sampling import SamplingParams
+from kvfuse.weights import load_model
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def test_int8_rows_are_the_dequantised_weight() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g)
+    q, scale = quant.quantize_rows(w)
+    deq = q.float() * scale.float()[:, None]
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert float((deq - w).abs().max()) <= float(scale.float().max()) / 2 + 1e-6  # rounding to nearest
+    lin = torch.nn.Linear(40, 48)
+    lin.weight.data = w
+    x = torch.randn(5, 40, generator=g)
+    got = quant.Int8Linear(lin)(x).float()
+    want = x.to(torch.bfloat16).float() @ deq.T + lin.bias.to(torch.bfloat16).float()
+    assert torch.allclose(got, want, rtol=2**-7, atol=2**-6)
+    emb = torch.nn.Embedding(48, 40)
+    emb.weight.data = w
+    table = quant.Int8Embedding(emb)
+    ids = torch.tensor([3, 0, 47, 3])
+    assert torch.allclose(table(ids).float(), deq[ids], rtol=2**-8, atol=0)
+    assert torch.allclose(table.linear(x).float(), x.to(torch.bfloat16).float() @ deq.T, rtol=2**-7, atol=2**-6)
+
+
+def test_a_precision_is_part_of_the_fingerprint(tiny_models) -> None:
+    root = tiny_models["llama"][0]
+    fps = {p: load_model(root, p).fingerprint for p in precision.PRECISIONS}
+    assert len(set(fps.values())) == 3
+    assert fps["fp32"] == load_model(root).fingerprint  # fp32 keeps the checkpoint's own
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, int8"):
+        load_model(root, "fp8")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_each_precision_computes_what_it_says(tiny_models, family: str) -> None:
+    root = tiny_models[family][0]
+    models = {p: load_model(root, p).model for p in precision.PRECISIONS}
+    assert models["fp32"].compute_dtype == torch.float32
+    assert models["bf16"].compute_dtype == models["int8"].compute_dtype == torch.bfloat16
+    linears = [m for m in models["int8"].modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and any(isinstance(m, quant.Int8Linear) for m in models["int8"].modules())
+    assert isinstance(models["int8"].embed_tokens, quant.Int8Embedding) == models["int8"].cfg.tie_embeddings
+    assert _state_bytes(models["int8"]) < 0.5 * _state_bytes(models["fp32"])
+    assert _state_bytes(models["bf16"]) <= 0.5 * _state_bytes(models["fp32"])
+    ids = torch.tensor((1,) + rand_ids(30, 7))
+    with torch.inference_mode():
+        ref = models["fp32"](ids)[-1]
+        for p in ("bf16", "int8"):
+            got = models[p](ids)[-1]
+            assert got.dtype == torch.float32
+            assert kl_divergence(ref, got) < 0.05, p  # close to the oracle, not equal to it
+            assert kl_divergence(ref, got) > 0.0, p  # and really computed at another precision
+
+
+@pytest.mark.parametrize("p", ["bf16", "int8"])
+def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
+    e = engine_at("gemma3", p)
+    assert e.blend_error is None
+    assert e.greedy_head() is None  # the int8 screen's bound is for a float32 head
+    req = Request(prefix=(1,) + rand_ids(9, 1), chunks=(rand_ids(12, 2), rand_ids(8, 3)), suffix=rand_ids(4, 4))
+    e.precompute(req, "blend")
+    keys = {e.cache.chunk_key(c) for c in req.chunks}
+    assert all(k in e.store for k in keys)
+    fp32 = engine_at("gemma3", "fp32")
+    assert keys.isdisjoint(fp32.cache.chunk_key(c) for c in req.chunks)  # never read at another precision
+    out = e.generate(req, "blend", 0.5, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.tokens) == 4 and out.first_logits.dtype == torch.float32
+    assert e.cache.chunk_cache(req.chunks[0])[0].k.dtype == e.kv_dtype
+
+
+def test_the_int8_kernel_gives_each_row_the_same_result_in_any_batch() -> None:
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(64, 96, bias=False)
+    layer = quant.Int8Linear(lin)
+    x = torch.randn(17, 64, generator=g)
+    together = layer(x)
+    assert together.shape == (17, 96) and together.dtype == torch.bfloat16
+    assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(17))
