@@ -48,7 +48,7 @@ class Engine:
         store: TieredStore | None = None,
         preamble: Sequence[int] | None = None,
         block_size: int = BLOCK_SIZE,
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
         self_check: bool = True,
         rotate: fuse.Rerotate = rerotate_into,
         greedy_screen: bool = True,
@@ -57,8 +57,9 @@ class Engine:
         bos = self.cfg.bos_token_id
         default_preamble = (bos,) if bos is not None else ()
         self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
+        kv = kv_dtype if kv_dtype is not None else model.compute_dtype  # stored as computed, by default
         self.cache = CacheManager(model, fingerprint, store if store is not None else TieredStore(), self.preamble,
-                                  block_size, kv_dtype)
+                                  block_size, kv)
         self.pipelined = True  # read later-tier chunk layers ahead of the recompute
         self.controller: Controller | None = None  # set one to enable ratio "auto" and decisions
         self._rotate = rotate

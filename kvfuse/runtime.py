@@ -36,7 +36,7 @@ class Opened:
         return self.model_path.name
 
 
-def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp32",
+def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
                 precision: str = "fp32") -> Opened:
     """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store and tokenizer."""
     import torch
@@ -46,7 +46,8 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "fp
     from kvfuse.weights import resolve_model_path
 
     path = Path(resolve_model_path(model))
-    engine = Engine.load(path, store_dir=store, precision=precision, kv_dtype=getattr(torch, KV_DTYPES[kv_dtype]))
+    kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
+    engine = Engine.load(path, store_dir=store, precision=precision, kv_dtype=kv)
     return Opened(engine, Tokenizer(path), path)
 
 

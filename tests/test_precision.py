@@ -79,7 +79,8 @@ def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
     assert keys.isdisjoint(fp32.cache.chunk_key(c) for c in req.chunks)  # never read at another precision
     out = e.generate(req, "blend", 0.5, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.tokens) == 4 and out.first_logits.dtype == torch.float32
-    assert e.cache.chunk_cache(req.chunks[0])[0].k.dtype == e.kv_dtype
+    assert e.kv_dtype == torch.bfloat16 == e.cache.chunk_cache(req.chunks[0])[0].k.dtype  # stored as computed
+    assert fp32.kv_dtype == torch.float32
 
 
 def test_the_int8_kernel_gives_each_row_the_same_result_in_any_batch() -> None:

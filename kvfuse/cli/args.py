@@ -44,7 +44,8 @@ def store_flag(p: argparse.ArgumentParser) -> None:
 def store_flags(p: argparse.ArgumentParser) -> None:
     store_flag(p)
     p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
-    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp32", help="dtype of stored KV caches")
+    p.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
+                   help="dtype of stored KV caches (default auto: the precision's, fp32 or bf16)")
 
 
 def fail(e: Exception) -> SystemExit:
