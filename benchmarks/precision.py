@@ -1,7 +1,7 @@
 """Precisions side by side: speed, memory and fidelity of fp32, bf16 and int8 (issue H, part 1).
 
     .venv/bin/python benchmarks/precision.py [--model M] [--rounds 5] [--steps 32] [--cases 50]
-        [--precisions fp32,bf16,int8] [--skip-speed] [--skip-fidelity]
+        [--precisions fp32,bf16,int8] [--skip-speed] [--skip-fidelity] [--skip-rss]
 
 Speed, on MuSiQue dev case 0 (6 passages), one engine per precision, interleaved rounds (medians):
 full prefill TTFT, a question on a cached prefix (`prefix` mode: everything but the question is
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-fidelity", action="store_true")
+    ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--rss", default=None, help=argparse.SUPPRESS)  # the child process of the memory column
     args = ap.parse_args()
     if args.rss:
@@ -118,12 +119,12 @@ def main() -> None:
     precisions = args.precisions.split(",")
     print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}")
     peak = {}
-    for p in precisions:  # one fresh process each, before this one loads anything
+    for p in [] if args.skip_rss else precisions:  # one fresh process each, before this one loads anything
         cmd = [sys.executable, __file__, "--rss", p, "--steps", str(args.steps)] + (
             ["--model", args.model] if args.model else [])
         peak[p] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     print("\n| precision | peak RSS (MiB) | / fp32 |\n|---|---|---|")
-    for p in precisions:
+    for p in peak:
         base = peak.get("fp32", peak[p])["peak_rss_mib"]
         print(f"| {p} | {peak[p]['peak_rss_mib']:.0f} | {peak[p]['peak_rss_mib'] / base:.2f} |")
     engines, tok = _engines(args.model, precisions)

@@ -85,6 +85,13 @@ class Engine:
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
     @property
+    def precision(self) -> str:
+        """fp32, bf16 or int8 (`precision.PRECISIONS`): what the model computes in."""
+        from kvfuse.precision import of
+
+        return of(self.model)
+
+    @property
     def block_size(self) -> int:
         return self.cache.block_size
 

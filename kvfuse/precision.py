@@ -64,6 +64,18 @@ def apply(model: Decoder, precision: str) -> Decoder:
     return model.to(torch.bfloat16)  # what is left (norms, an untied table, biases) in bfloat16
 
 
+def of(model: Decoder) -> str:
+    """The precision a model was converted to."""
+    import torch
+
+    from kvfuse.quant import Int8Embedding, Int8Linear
+
+    if model.compute_dtype == torch.float32:
+        return "fp32"
+    quantized = any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules())
+    return "int8" if quantized else "bf16"
+
+
 def _quantize_linears(model: Decoder) -> None:
     from torch import nn
 

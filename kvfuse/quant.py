@@ -19,12 +19,20 @@ from torch import nn
 ACT_DTYPE = torch.bfloat16  # the kernel's activation (and scale) dtype
 
 
+QUANT_ROWS = 4096  # rows quantised at a time: the float temporaries of a 262k-row table stay small
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 rows, bfloat16 scale per row) of a (rows, cols) weight, rounded to nearest."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(ACT_DTYPE)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+    """(int8 rows, bfloat16 scale per row) of a (rows, cols) weight, rounded to nearest; done in blocks
+    of rows, which gives every row the same result as all at once."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=ACT_DTYPE)
+    for at in range(0, weight.shape[0], QUANT_ROWS):
+        w = weight[at : at + QUANT_ROWS].detach().float()
+        s = (w.abs().amax(1) / 127).clamp_min(1e-12).to(ACT_DTYPE)
+        q[at : at + QUANT_ROWS] = torch.round(w / s.float()[:, None]).clamp(-127, 127)
+        scale[at : at + QUANT_ROWS] = s
+    return q, scale
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
 def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION) -> LoadedModel:
     """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode, at a precision
     (`precision.PRECISIONS`), fingerprinted with it."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     dtype = load_dtype(precision)
 
@@ -79,9 +79,10 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     with torch.device("meta"):
         model = Decoder(cfg)
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            state[_our_name(name)] = t.to(dtype)
+    for f in files:  # one tensor at a time: the file's float32 copy of only one is alive at once
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                state[_our_name(name)] = fh.get_tensor(name).to(dtype)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict())
@@ -91,6 +92,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
     model.load_state_dict(state, assign=True)
+    state.clear()  # the model holds the tensors now: converting it frees each one it replaces
     apply_precision(model, precision).eval().requires_grad_(False)
     return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
                        precision=precision)

@@ -15,10 +15,13 @@ def _state_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def test_int8_rows_are_the_dequantised_weight() -> None:
+def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=g)
     q, scale = quant.quantize_rows(w)
+    monkeypatch.setattr(quant, "QUANT_ROWS", 7)  # in blocks of rows: the same result
+    q7, scale7 = quant.quantize_rows(w)
+    assert torch.equal(q, q7) and torch.equal(scale, scale7)
     deq = q.float() * scale.float()[:, None]
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert float((deq - w).abs().max()) <= float(scale.float().max()) / 2 + 1e-6  # rounding to nearest
@@ -50,6 +53,7 @@ def test_each_precision_computes_what_it_says(tiny_models, family: str) -> None:
     root = tiny_models[family][0]
     models = {p: load_model(root, p).model for p in precision.PRECISIONS}
     assert models["fp32"].compute_dtype == torch.float32
+    assert {p: precision.of(m) for p, m in models.items()} == {p: p for p in precision.PRECISIONS}
     assert models["bf16"].compute_dtype == models["int8"].compute_dtype == torch.bfloat16
     linears = [m for m in models["int8"].modules() if isinstance(m, torch.nn.Linear)]
     assert not linears and any(isinstance(m, quant.Int8Linear) for m in models["int8"].modules())

@@ -102,8 +102,9 @@ def test_cli_generate_json_in_every_mode(real, tmp_path, capsys) -> None:  # typ
                 *ratio, "--max-tokens", "8", "--json", "--store", str(tmp_path / "store")]
         assert main(argv) == 0
         out = json.loads(capsys.readouterr().out)
-        assert set(out) == {"answer", "mode", "fuser", "ratio", "ttft_s", "precompute_s", "tokens", "first_token_top",
-                            "store", "controller"}
+        assert set(out) == {"answer", "mode", "fuser", "ratio", "precision", "ttft_s", "precompute_s", "tokens",
+                            "first_token_top", "store", "controller"}
+        assert out["precision"] == "fp32"
         assert set(out["store"]) == {"hits", "misses", "corrupt", "bytes_read", "tiers_used"}
         assert set(out["tokens"]) == {"prompt", "prefilled", "reused", "recomputed"}
         assert len(out["first_token_top"]) == 20 and out["ttft_s"] > 0
@@ -219,3 +220,25 @@ def test_real_batched_decoding_equals_decoding_alone(real) -> None:  # type: ign
     while not all(d.done for d in batch):
         engine.advance(batch)
     assert [d.close().tokens for d in batch] == alone
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_real_precisions_stay_close_to_fp32_and_exact_within_themselves(real, precision: str) -> None:  # type: ignore[no-untyped-def]
+    """Every precision answers like fp32 at the first token on real passages, its fusers are available
+    (the self-check passes), and prefix and blend@1.0 still equal its own full prefill."""
+    engine, tok, path = real
+    low = Engine.load(path, precision=precision)
+    assert low.blend_error is None and low.precision == precision and low.fingerprint != engine.fingerprint
+    kls = []
+    for case in _cases()[:2]:
+        req = _request(tok, case, 3)
+        ref = engine.prefill(req, "full").fused.logits
+        full = low.prefill(req, "full").fused.logits
+        kls.append(_kl(ref, full))
+        assert int(full.argmax()) == int(ref.argmax())
+        for mode, ratio in (("prefix", None), ("blend", 1.0)):
+            low.precompute(req, mode)
+            got = low.prefill(req, mode, ratio).fused.logits
+            assert int(got.argmax()) == int(full.argmax()), mode
+            assert _kl(full, got) < 0.01, mode
+    assert 0 < max(kls) < 0.05, kls

@@ -96,6 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "fuser": result.fuser,
         "ratio": result.ratio,
+        "precision": engine.precision,
         "ttft_s": round(result.ttft_s, 6),
         "precompute_s": round(precompute_s, 6),
         "tokens": {k: v for k, v in result.counts.as_dict().items() if k != "cached"},  # the issue-A contract
