@@ -231,7 +231,7 @@ def test_real_precisions_stay_close_to_fp32_and_exact_within_themselves(real, pr
     assert low.blend_error is None and low.precision == precision and low.fingerprint != engine.fingerprint
     kls = []
     for case in _cases()[:2]:
-        req = _request(tok, case, 3)
+        req = _request(tok, case, 2)  # about 1k tokens: bf16 matmuls without AMX (AVX2 only) are slow
         ref = engine.prefill(req, "full").fused.logits
         full = low.prefill(req, "full").fused.logits
         kls.append(_kl(ref, full))
