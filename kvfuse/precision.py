@@ -1,11 +1,12 @@
 """Precisions: the dtype a model's weights and activations are computed in (`--precision`).
 
 - `fp32`: float32 throughout; the oracle the others are measured against.
-- `bf16`: weights and activations in bfloat16 (AMX matmuls on this CPU). Norms and softmax compute in
-  float32 inside their kernels and round back; the residual stream is bfloat16, as in the model's own
-  training precision (the fidelity against fp32 is measured in docs/benchmarks.md).
+- `bf16`: weights and activations in bfloat16, for CPUs with AMX (on an AVX2-only CPU its matmuls are
+  several times slower than fp32's). Norms and softmax compute in float32 inside their kernels and
+  round back; the residual stream is bfloat16 (fidelity against fp32: docs/benchmarks.md).
 - `int8`: weight-only int8 with a per-output-row scale for every linear layer and the LM head
-  (`quant.py`), bfloat16 activations, norms and embeddings lookups dequantised from the same table.
+  (`quant.py`); activations and norms in bfloat16; a tied table's embedding lookups are dequantised
+  from the same int8 matrix as the head.
 
 A precision is part of the model fingerprint (`fingerprint`), so caches, profiles and calibrations of
 different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
