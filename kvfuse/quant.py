@@ -46,42 +46,43 @@ def available() -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
 
 
-class Int8Linear(nn.Module):
-    """An nn.Linear with its weight in int8 rows (bias, if any, in bfloat16)."""
+class Int8Rows(nn.Module):
+    """A weight held as int8 rows and their scales, and its product with inputs (`linear`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        q, scale = quantize_rows(linear.weight)
+        q, scale = quantize_rows(weight)
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., cols) -> (..., rows) in bfloat16."""
+        return int8_matmul(x, self.q, self.scale)
+
+
+class Int8Linear(Int8Rows):
+    """An nn.Linear with its weight in int8 rows (bias, if any, in bfloat16)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(ACT_DTYPE), False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_matmul(x, self.q, self.scale)
+        y = self.linear(x)
         return y if self.bias is None else y + self.bias
 
 
-class Int8Embedding(nn.Module):
-    """An embedding table in int8 rows that is also the (tied) LM head."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
+class Int8Embedding(Int8Rows):
+    """An embedding table in int8 rows that is also the (tied) LM head (`linear`)."""
 
     def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        q, scale = quantize_rows(embedding.weight)
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
+        super().__init__(embedding.weight)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids, dequantised: (..., dim) in bfloat16."""
         return F.embedding(ids, self.q).to(ACT_DTYPE) * self.scale[ids].unsqueeze(-1)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The tied LM head: x (..., dim) -> (..., rows) in bfloat16."""
-        return int8_matmul(x, self.q, self.scale)
