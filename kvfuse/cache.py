@@ -156,15 +156,18 @@ class CacheManager:
             return cache, True
         return self.compute_chunk(chunk, key, preamble), False
 
-    def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None) -> KVCache:
-        cache = fuse.precompute_chunk(self.model, self._behind(preamble), chunk).to(self.kv_dtype)
+    def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None,
+                      pause: fuse.Pause = fuse.no_pause) -> KVCache:
+        cache = fuse.precompute_chunk(self.model, self._behind(preamble), chunk, pause=pause).to(self.kv_dtype)
         self.store.put(key, cache)
         return cache
 
-    def open_chunks(self, req: Request, preambles: Sequence[tuple[int, ...]] | None = None) -> ChunkSet:
+    def open_chunks(self, req: Request, preambles: Sequence[tuple[int, ...]] | None = None,
+                    pause: fuse.Pause = fuse.no_pause) -> ChunkSet:
         """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now.
 
-        `preambles`: what each chunk is computed behind (default: the engine's preamble)."""
+        `preambles`: what each chunk is computed behind (default: the engine's preamble); `pause` is
+        called between the layers of a chunk computed now."""
         first = self.store.tiers[0].name
         pre = tuple(preambles) if preambles is not None else (self._behind(None),) * len(req.chunks)
         out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre)
@@ -175,7 +178,7 @@ class CacheManager:
             opened = self.store.open(key)
             out.keys.append(key)
             if opened is None:
-                out.sources.append(self.compute_chunk(c, key, behind))
+                out.sources.append(self.compute_chunk(c, key, behind, pause))
                 out.stored.append(False)
                 out.promote.append(False)
                 continue
@@ -187,8 +190,8 @@ class CacheManager:
         return out
 
     def fuse(self, fuser: Fuser, layout: Callable[[Sequence[LayerSource]], FuseLayout], ratio: float | None,
-             chunks: ChunkSet, req: Request, rotate: fuse.Rerotate, room: int, pipelined: bool
-             ) -> tuple[Fused, LayerLoader]:
+             chunks: ChunkSet, req: Request, rotate: fuse.Rerotate, room: int, pipelined: bool,
+             pause: fuse.Pause = fuse.no_pause) -> tuple[Fused, LayerLoader]:
         """Run the fuser over the chunk set; an entry that turns out corrupt mid-read is dropped, its
         chunk recomputed, and the fusion run again."""
         for _ in range(len(chunks.sources) + 1):
@@ -196,12 +199,13 @@ class CacheManager:
             loader = LayerLoader(chunks.sources, self.model.cfg.num_layers, pipelined=pipelined and bool(lazy))
             try:
                 with loader:
-                    return fuser.fuse(self.model, layout(chunks.sources), ratio, FuseContext(rotate, loader, room)), \
-                        loader
+                    ctx = FuseContext(rotate, loader, room, pause)
+                    return fuser.fuse(self.model, layout(chunks.sources), ratio, ctx), loader
             except CorruptEntryError as e:
                 for i in (i for i in lazy if chunks.keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(chunks.keys[i], str(e))
-                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preambles[i])
+                    chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preambles[i],
+                                                           pause)
                     chunks.stored[i] = chunks.promote[i] = False
         raise RuntimeError("every stored chunk entry was corrupt and recomputed, yet the fusion still failed")
 

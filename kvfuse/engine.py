@@ -155,9 +155,10 @@ class Engine:
         many decoded tokens, so decoding appends in place."""
         return self._prefill(req, self.validate(req, mode, ratio), ratio, room)
 
-    def _prefill(self, req: Request, fuser: Fuser, ratio: Ratio, room: int) -> Prefilled:
+    def _prefill(self, req: Request, fuser: Fuser, ratio: Ratio, room: int, pause: fuse.Pause = fuse.no_pause
+                 ) -> Prefilled:
         counts, suffix = TokenCounts(prompt=len(req)), torch.tensor(req.suffix, dtype=torch.int64)
-        ctx = FuseContext(self._rotate, None, room)
+        ctx = FuseContext(self._rotate, None, room, pause)
         # the modes that read no chunk caches lay the chunks out as part of the prefix
         cacheable = list(req.prefix) + [t for c in req.chunks for t in c] if fuser.reads != "chunks" else []
         if fuser.reads == "nothing":
@@ -180,13 +181,13 @@ class Engine:
         tail, ids = _ids(req.prefix[n_hit:]), [_ids(c) for c in req.chunks]
         counts.reused = n_hit + req.chunk_tokens
         counts.prefilled = len(req) - counts.reused
-        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req))
+        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req), pause)
         r, decision = self._ratio(fuser, ratio, counts.reused, chunks.tier)
 
         def layout(sources: Sequence[LayerSource]) -> FuseLayout:
             return FuseLayout.of(hit, sources, suffix, ids, tail)
 
-        fused, loader = self.cache.fuse(fuser, layout, r, chunks, req, self._rotate, room, self.pipelined)
+        fused, loader = self.cache.fuse(fuser, layout, r, chunks, req, self._rotate, room, self.pipelined, pause)
         counts.recomputed = round(fused.recomputed_token_layers / self.cfg.num_layers)
         stored = chunks.stored_mask()
         recomputed_stored = sum(int(stored[sel].sum()) for sel in fused.selected) / self.cfg.num_layers
@@ -238,19 +239,23 @@ class Engine:
         return stream.result
 
     def begin(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
-              *, score: Sequence[int] | None = None, record_logits: bool = False) -> Decoding:
+              *, score: Sequence[int] | None = None, record_logits: bool = False,
+              pause: fuse.Pause = fuse.no_pause) -> Decoding:
         """Prefill a request, choose its first token and run its store writes; `advance` then moves it
-        (with others) on, and `close()` returns its Generation."""
+        (with others) on, and `close()` returns its Generation.
+
+        `pause` is called between pieces of the prefill (`fuse.core`): the server steps its running
+        requests there. It changes nothing computed, but its time counts in this request's TTFT."""
         params = params or SamplingParams()
         return self._begin(req, self.validate(req, mode, ratio, params.max_tokens), ratio, params, score,
-                           record_logits)
+                           record_logits, pause)
 
     @torch.inference_mode()
     def _begin(self, req: Request, fuser: Fuser, ratio: Ratio, params: SamplingParams,
-               score: Sequence[int] | None, record_logits: bool) -> Decoding:
+               score: Sequence[int] | None, record_logits: bool, pause: fuse.Pause = fuse.no_pause) -> Decoding:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
-        pre = self._prefill(req, fuser, ratio, room=params.max_tokens)
+        pre = self._prefill(req, fuser, ratio, params.max_tokens, pause)
         store_stats = self.store.stats.since(before)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)

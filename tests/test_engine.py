@@ -8,6 +8,7 @@ from conftest import rand_ids
 from kvfuse import fuse
 from kvfuse.engine import Engine, ModeUnavailableError, Request, RequestError
 from kvfuse.sampling import SamplingParams, sample
+from kvfuse.store.tiered import TieredStore
 from kvfuse.weights import load_model
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -327,3 +328,32 @@ def test_chunks_behind_a_copy_of_themselves(tiny_engines, family: str) -> None:
     assert (whole.first_logits - full.first_logits).abs().max() < 1e-4
     g = e.generate(swapped, me, 0.3, params=GREEDY)
     assert g.counts.cached == g.counts.reused - g.counts.recomputed  # every chunk came from the store
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "blend", "queryaware"])
+def test_a_paused_prefill_decodes_exactly_as_a_quiet_one(tiny_engines, mode: str) -> None:
+    """`begin(pause=...)` calls the pause between pieces of the prefill (the server steps other requests
+    there), chunk computation on a miss included, and changes no token, logit or count."""
+    e = tiny_engines["gemma3"]
+    other = e.begin(_request(40), "full", params=GREEDY)
+    pauses = {"n": 0}
+
+    def step_another() -> None:
+        pauses["n"] += 1
+        if not other.done:
+            e.advance([other])
+
+    outs, kept = [], e.store
+    try:
+        for pause in (fuse.no_pause, step_another):
+            e.store = TieredStore()  # a cold store each time: the chunks are computed inside the prefill
+            d = e.begin(_request(41), mode, params=GREEDY, pause=pause)
+            while not d.done:
+                e.advance([d])
+            outs.append(d.close())
+    finally:
+        e.store = kept
+    quiet, paused = outs
+    assert pauses["n"] >= e.cfg.num_layers - 1 and len(other.tokens) > 1
+    assert paused.tokens == quiet.tokens and torch.equal(paused.first_logits, quiet.first_logits)
+    assert paused.counts == quiet.counts

@@ -219,3 +219,60 @@ def test_a_pass_in_placed_buffers_equals_a_fresh_pass(models, family: str) -> No
         assert torch.equal(fresh.logits, again.logits) and torch.equal(fresh.cache.k, again.cache.k)
     with pytest.raises(ValueError, match="cannot hold"):
         fuse.fuse_chunks(m, layout, keep, candidates=cand, placed=(first.cache.k[:, :, :5], first.cache.v[:, :, :5]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_in_slices_equals_the_naive_forward(models, family: str, monkeypatch) -> None:
+    """A prefill runs each layer in PREFILL_SLICE-row slices; slices of 7 rows (crossing the tiny sliding
+    windows), after a past cache or not, give the naive forward's logits and one piece's KV."""
+    m = models[family]
+    ids = _t(rand_ids(40, 11))
+    with torch.inference_mode():
+        naive = m(ids)[-1]
+        whole = fuse.prefill(m, ids)
+        monkeypatch.setattr(fuse.core, "PREFILL_SLICE", 7)
+        sliced = fuse.prefill(m, ids)
+        tail = fuse.prefill(m, ids[9:], past=fuse.prefill(m, ids[:9]).cache)
+    for what, got in (("sliced", sliced), ("sliced after a past", tail)):
+        _assert_close(got.logits, naive, f"{family} {what} logits")
+        _assert_close(got.cache.k, whole.cache.k, f"{family} {what} keys")
+        _assert_close(got.cache.v, whole.cache.v, f"{family} {what} values")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pausing_changes_nothing_and_comes_between_pieces(models, family: str, monkeypatch) -> None:
+    """Every builder calls its pause between pieces (each layer; each slice of a prefill's layer), and a
+    pause that runs other model work meanwhile changes no bit of what is built."""
+    m = models[family]
+    monkeypatch.setattr(fuse.core, "PREFILL_SLICE", 8)
+    prefix, chunks, suffix = _layout(3)
+    ids = _t(prefix + sum(chunks, ()) + suffix)
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    other = _t(rand_ids(30, 99))
+    calls = {"n": 0}
+
+    def busy() -> None:  # what the server does in a pause: other requests' model work
+        calls["n"] += 1
+        fuse.prefill(m, other)
+
+    ctx = fuse.FuseContext(pause=busy)
+    layers = m.cfg.num_layers
+
+    def built(f: fuse.Fused) -> tuple[torch.Tensor, ...]:
+        return f.logits, f.cache.k, f.cache.v
+
+    builds = {  # name: (what it builds, as tensors), the pauses it makes
+        "prefill": (lambda c: built(fuse.prefill(m, ids, pause=c.pause)), (layers - 1) * math.ceil(len(ids) / 8)),
+        "chunk": (lambda c: (lambda kv: (kv.k, kv.v))(fuse.precompute_chunk(m, (1,), chunks[1], pause=c.pause)),
+                  layers - 1),
+        "reuse": (lambda c: built(fuse.reuse(m, layout, c)), layers),
+        "blend": (lambda c: built(fuse.blend(m, layout, 0.3, ctx=c)), layers),
+        "queryaware": (lambda c: built(fuse.query_aware(m, layout, 0.3, ctx=c)), 2 * layers),
+    }
+    for name, (build, pauses) in builds.items():
+        calls["n"] = 0
+        with torch.inference_mode():
+            quiet, paused = build(fuse.FuseContext()), build(ctx)
+        assert calls["n"] == pauses, f"{name}: {calls['n']} pauses, expected {pauses}"
+        assert all(torch.equal(x, y) for x, y in zip(quiet, paused, strict=True)), name

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from kvfuse.server.worker import Worker
@@ -160,3 +161,74 @@ def test_shutdown_and_cancelled_jobs_end_with_an_error_event() -> None:
     assert [k for k, _ in out] == ["error", "error"]
     assert all(isinstance(v, asyncio.CancelledError) for _, v in out)
     assert (endless.finished, endless.aborted) == (0, 1) and not worker.alive and worker.depth == 0
+
+
+def test_a_starting_job_pauses_to_step_the_running_ones() -> None:
+    """While a job starts (its prefill), its pauses step the running requests; one that finishes there
+    is ended only after the start, and the newcomer then joins the batch."""
+    log: list[str] = []
+    batches: list[list[str]] = []
+    def advance(batch: list[Any]) -> None:
+        batches.append([c.name for c in batch])
+        time.sleep(0.002)
+
+    worker = Worker(16, advance, max_batch=4, max_itl_factor=1.0)
+    runner, short = Counter("runner", 10_000, log), Counter("short", 10_000, log)
+    seen_in_pause: list[int] = []
+
+    def newcomer(cancel: Any, emit: Any) -> Any:
+        for k in range(6):  # six pieces of a prefill, a pause after each
+            if k == 1:
+                short.steps = short.seen + 1  # short finishes in the next pause
+            worker.pause()
+            seen_in_pause.append(runner.seen)
+        log.append("newcomer started")
+        runner.steps = runner.seen + 3
+        return Counter("new", 1, log)
+
+    async def main() -> list[tuple[str, Any]]:
+        jobs = [worker.submit(lambda c, e: runner), worker.submit(lambda c, e: short)]
+        await asyncio.sleep(0.05)
+        jobs.append(worker.submit(newcomer))
+        return list(await asyncio.gather(*(_collect(j) for j in jobs)))
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        worker.close()
+    assert out[1][0] == "done" and out[2] == ("done", ("new", 1))
+    assert ["runner", "new"] in batches  # the newcomer joined the running one
+    assert seen_in_pause == sorted(seen_in_pause) and seen_in_pause[-1] - seen_in_pause[0] == 5  # a step per pause
+    assert log.index("end short") > log.index("newcomer started")  # ended after the start, not inside a pause
+    assert worker.pause() is None and worker.depth == 0  # off the worker thread, a pause does nothing
+
+
+def test_pauses_step_only_after_the_usual_gap() -> None:
+    """With max_itl_factor F, a pause steps only once the running ones have waited (F - 1) usual steps."""
+    log: list[str] = []
+    worker = Worker(16, lambda batch: time.sleep(0.02), max_batch=2, max_itl_factor=6.0)  # a step: 20 ms
+    runner = Counter("runner", 10_000, log)
+    steps: list[int] = []
+
+    def newcomer(cancel: Any, emit: Any) -> Any:
+        before = runner.seen
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:  # a 0.5 s prefill, pausing every millisecond
+            worker.pause()
+            time.sleep(0.001)
+        steps.append(runner.seen - before)
+        runner.steps = runner.seen + 1
+        return None
+
+    async def main() -> None:
+        job = worker.submit(lambda c, e: runner)
+        await asyncio.sleep(0.2)  # the runner sets its usual step time alone
+        await _collect(worker.submit(newcomer))
+        await _collect(job)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+    # a step every 5 x 20 ms + 20 ms = 120 ms at most: about 4 in 0.5 s; pausing every time would give ~24
+    assert 2 <= steps[0] <= 6, steps

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvfuse.cli.args import model_flag
+from kvfuse.server.worker import DEFAULT_MAX_ITL_FACTOR  # a light import: no torch, no FastAPI
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -22,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="requests that decode together, one token each per step (1: one request at a time)")
     s.add_argument("--max-documents", type=int, default=16, help="documents per request")
     s.add_argument("--max-document-tokens", type=int, default=4096, help="tokens per document")
+    s.add_argument("--max-itl-factor", type=float, default=DEFAULT_MAX_ITL_FACTOR,
+                   help="while a request prefills, running streams get a token at least every FACTOR usual steps "
+                        "(1: they never wait; larger: the newcomer's first token comes sooner)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
@@ -36,6 +40,8 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if min(args.max_queue, args.max_batch, args.max_documents, args.max_document_tokens) < 1:
         raise SystemExit("kvfuse: --max-queue, --max-batch, --max-documents and --max-document-tokens must be at "
                          "least 1")
+    if not args.max_itl_factor >= 1.0:
+        raise SystemExit(f"kvfuse: --max-itl-factor must be at least 1, got {args.max_itl_factor}")
     try:
         keys = Keys.load(args.keys) if args.keys else None
         manifests = [load_manifest(k) for k in args.kb]
@@ -49,7 +55,8 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
-    limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch)
+    limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch,
+                    args.max_itl_factor)
     return ServerState(rt.engine, rt.tok, rt.model_id, kbs, keys, limits)
 
 

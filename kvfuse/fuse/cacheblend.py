@@ -50,7 +50,8 @@ def blend(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, *,
           ctx: FuseContext = IN_PLACE) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     keep = keep_schedule(model.cfg.num_layers, layout.chunk_tokens, ratio, filter_layers)
-    return fuse_chunks(model, layout, keep, deviation=deviation, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room)
+    return fuse_chunks(model, layout, keep, deviation=deviation, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
+                       pause=ctx.pause)
 
 
 @register_fuser

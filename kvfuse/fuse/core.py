@@ -16,6 +16,13 @@ mask (and the sliding window of the layer), never a bottom-right-aligned approxi
 
 On the last layer every builder computes the keys and values of all its rows but the attention and MLP
 of the prompt's last token only: nothing else reads the other rows' outputs (about 5% of a prefill).
+
+Every builder takes a `pause`: a callable it calls between pieces of work (after each layer, and in a
+prefill after each PREFILL_SLICE-token slice of a layer), where its caller may run something else (the
+server steps the running requests there, so a long prefill never stalls their streams). Pausing
+changes nothing computed. A prefill is always computed in the same slices, paused or not: its rows
+are split on each layer into slices of PREFILL_SLICE tokens, each attending to every key before its
+end, so a prompt of at most PREFILL_SLICE tokens is computed as one piece.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ Deviation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 # (layer, q, q_rows, keys, key_positions): sees each layer's queries, at their positions, and all its keys
 # (kv_heads, total, head_dim) once they are in place; query-aware selection reads the suffix's attention here
 Observe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# called between pieces of a build (see the module docstring); it must not touch the build's tensors
+Pause = Callable[[], None]
+PREFILL_SLICE = 512  # prefill rows per piece of a layer: short enough to pause often, long enough to stay fast
+
+
+def no_pause() -> None:
+    pass
 
 
 @dataclass(slots=True)
@@ -65,28 +79,37 @@ def _fused(k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, logits: torch.T
     return Fused(cache, logits, recomputed, selected or [], (k_buf, v_buf) if room else None)
 
 
-def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int) -> torch.Tensor:
-    """Prefill ids at positions start.. into the buffers after the keys already in [0, start); returns last hidden."""
-    end = start + ids.shape[0]
+def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int,
+         pause: Pause = no_pause) -> torch.Tensor:
+    """Prefill ids at positions start.. into the buffers after the keys already in [0, start); returns the
+    last token's hidden state. Each layer runs in slices of PREFILL_SLICE rows, pausing after each."""
+    n = ids.shape[0]
+    end = start + n
     pos_all = torch.arange(end)
-    pos = pos_all[start:]
+    slices = [(s, min(s + PREFILL_SLICE, n)) for s in range(0, n, PREFILL_SLICE)]
     h = model.embed(ids)
     last = model.cfg.num_layers - 1
-    for i in range(last + 1):
-        if i < last:
-            q, k, v = model.project(i, h, pos)
-        else:  # only the last token's output is used (for the logits): every token needs just its KV
-            k, v = model.key_value(i, h, pos)
-            h, pos = h[-1:], pos[-1:]
-            q = model.query(i, h, pos)
-        k_buf[i, :, start:end], v_buf[i, :, start:end] = k, v
-        a = model.attend(i, q, pos, k_buf[i, :, :end], v_buf[i, :, :end], pos_all)
-        h = model.finish(i, h, a)
-    return h
+    for i in range(last):
+        outs = []
+        for s, e in slices:
+            pos = pos_all[start + s : start + e]
+            q, k, v = model.project(i, h[s:e], pos)
+            k_buf[i, :, start + s : start + e], v_buf[i, :, start + s : start + e] = k, v
+            a = model.attend(i, q, pos, k_buf[i, :, : start + e], v_buf[i, :, : start + e], pos_all[: start + e])
+            outs.append(model.finish(i, h[s:e], a))
+            pause()
+        h = torch.cat(outs) if len(outs) > 1 else outs[0]
+    for s, e in slices:  # the last layer: every token needs just its KV; only the last one's output is used
+        k_buf[last, :, start + s : start + e], v_buf[last, :, start + s : start + e] = model.key_value(
+            last, h[s:e], pos_all[start + s : start + e])
+    q = model.query(last, h[-1:], pos_all[-1:])
+    a = model.attend(last, q, pos_all[-1:], k_buf[last, :, :end], v_buf[last, :, :end], pos_all)
+    return model.finish(last, h[-1:], a)
 
 
 def prefill(
-    model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache] | None = None, room: int = 0
+    model: Decoder, ids: torch.Tensor, past: KVCache | Sequence[KVCache] | None = None, room: int = 0,
+    pause: Pause = no_pause,
 ) -> Fused:
     """Full prefill of ids after an optional exact past cache (positions 0..len(past)-1).
 
@@ -99,7 +122,7 @@ def prefill(
     end = start + ids.shape[0]
     k_buf, v_buf = _buffers(model.cfg, end, model.compute_dtype, room)
     _copy_in(parts, k_buf, v_buf)
-    h = _run(model, ids, k_buf, v_buf, start)
+    h = _run(model, ids, k_buf, v_buf, start, pause)
     return _fused(k_buf, v_buf, end, model.logits(h)[0], room)
 
 
@@ -113,7 +136,8 @@ def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor)
 
 
 def precompute_chunk(
-    model: Decoder, preamble: Sequence[int], chunk: Sequence[int], start: int | None = None
+    model: Decoder, preamble: Sequence[int], chunk: Sequence[int], start: int | None = None,
+    pause: Pause = no_pause,
 ) -> KVCache:
     """KV of a chunk computed on its own behind the preamble; only the chunk's tokens are kept.
 
@@ -134,6 +158,7 @@ def precompute_chunk(
         q, k, v = model.project(i, h, pos)
         k_buf[i], v_buf[i] = k, v
         h = model.finish(i, h, model.attend(i, q, pos, k, v, pos))
+        pause()
     k_buf[last], v_buf[last] = model.key_value(last, h, pos)  # the cache needs no output from the last layer
     n = len(pre)
     return KVCache(k_buf[:, :, n:].clone(), v_buf[:, :, n:].clone(), pos[n:].clone())
@@ -216,6 +241,7 @@ def fuse_chunks(
     room: int = 0,
     observe: Observe | None = None,
     placed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pause: Pause = no_pause,
 ) -> Fused:
     """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
@@ -228,7 +254,8 @@ def fuse_chunks(
     layer's queries and keys (it changes nothing). `placed` are the K and V buffers of an earlier pass
     over the same layout (at least `total` tokens long; `Fused.buffers`, or its cache's tensors): they
     already hold the prefix and every chunk's re-rotated KV on every layer, so nothing is copied in or
-    read again, and only the rows this pass computes are overwritten."""
+    read again, and only the rows this pass computes are overwritten. `pause` is called after each
+    layer."""
     chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
@@ -299,6 +326,7 @@ def fuse_chunks(
             cand = cand[top]
             selected.append(cand)
             recomputed += int(cand.shape[0])
+            pause()
     finally:
         if own_loader and loader is not None:
             loader.close()

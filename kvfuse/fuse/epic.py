@@ -24,7 +24,8 @@ def legolink(model: Decoder, layout: FuseLayout, head_tokens: int = DEFAULT_HEAD
                                                                               strict=True)]
     fixed = torch.cat(heads) if heads else torch.empty(0, dtype=torch.int64)
     keep = [int(fixed.shape[0])] * model.cfg.num_layers
-    return fuse_chunks(model, layout, keep, candidates=fixed, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room)
+    return fuse_chunks(model, layout, keep, candidates=fixed, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
+                       pause=ctx.pause)
 
 
 @register_fuser

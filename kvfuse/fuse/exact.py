@@ -22,7 +22,8 @@ class _Prefill(NoOptions):
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         if layout.chunks:
             raise ValueError("an exact prefill reads no chunk caches; lay the chunks out as the prefix tail")
-        return prefill(model, torch.cat((layout.prefix_tail, layout.suffix)), past=layout.prefix, room=ctx.room)
+        return prefill(model, torch.cat((layout.prefix_tail, layout.suffix)), past=layout.prefix, room=ctx.room,
+                       pause=ctx.pause)
 
 
 @register_fuser

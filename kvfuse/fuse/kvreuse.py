@@ -14,7 +14,8 @@ from kvfuse.model import Decoder
 def reuse(model: Decoder, layout: FuseLayout, ctx: FuseContext = IN_PLACE) -> Fused:
     """Full KV reuse: no chunk token is recomputed."""
     keep = [0] * model.cfg.num_layers
-    return fuse_chunks(model, layout, keep, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room)
+    return fuse_chunks(model, layout, keep, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
+                       pause=ctx.pause)
 
 
 @register_fuser

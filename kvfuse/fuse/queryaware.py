@@ -57,7 +57,7 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
             score.add_(probs[:, :, start:n].sum(dim=(0, 1)))
 
     first = fuse_chunks(model, layout, [0] * cfg.num_layers, rotate=ctx.rotate, loader=ctx.loader, observe=observe,
-                        room=ctx.room)
+                        room=ctx.room, pause=ctx.pause)
     return score, first
 
 
@@ -75,7 +75,8 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
     keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS)  # first == k: fixed
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
     placed = reused.buffers if reused.buffers is not None else (reused.cache.k, reused.cache.v)
-    return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed)
+    return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed,
+                       pause=ctx.pause)
 
 
 @register_fuser

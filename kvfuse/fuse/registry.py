@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
-from kvfuse.fuse.core import Fused, FuseLayout, Rerotate
+from kvfuse.fuse.core import Fused, FuseLayout, Pause, Rerotate, no_pause
 from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
 from kvfuse.rope import rerotate_into
@@ -42,11 +42,13 @@ NEIGHBOUR_TOKENS = 512  # the sliding window of Gemma 3 270M, which this was mea
 
 @dataclass(frozen=True, slots=True)
 class FuseContext:
-    """How a fuser runs, the same for every fuser: the key mover, the layer loader, decode room."""
+    """How a fuser runs, the same for every fuser: the key mover, the layer loader, decode room, and
+    what to call between pieces of the work (`core.Pause`: the server steps running requests there)."""
 
     rotate: Rerotate = rerotate_into
     loader: LayerLoader | None = None
     room: int = 0
+    pause: Pause = no_pause
 
 
 IN_PLACE = FuseContext()  # the default: rotate in place, read chunk layers as they are, no decode room

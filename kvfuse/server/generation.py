@@ -68,7 +68,7 @@ class Generating:
         self.p = p
         self.deltas = TextDeltas(state.tok, p.stops)
         self.pieces: list[str] = []
-        self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params)
+        self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause)
         self.stepped()
 
     @property

@@ -14,7 +14,7 @@ from kvfuse.kb.base import KnowledgeBase
 from kvfuse.server.auth import ANONYMOUS, Keys, Principal
 from kvfuse.server.errors import ApiError
 from kvfuse.server.metrics import Metrics
-from kvfuse.server.worker import Worker
+from kvfuse.server.worker import DEFAULT_MAX_ITL_FACTOR, Worker
 from kvfuse.text.chat import ChatTemplate
 
 
@@ -24,6 +24,7 @@ class Limits:
     max_document_tokens: int = 4096
     max_queue: int = 16
     max_batch: int = 8  # requests decoding together (capped by what the engine checks batches exactly)
+    max_itl_factor: float = DEFAULT_MAX_ITL_FACTOR  # running streams' pace while a newcomer prefills (worker.py)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         batch = min(self.limits.max_batch, self.engine.decode_batch_limit()) if self.limits.max_batch > 1 else 1
-        self.worker = Worker(self.limits.max_queue, self.engine.advance, batch)
+        self.worker = Worker(self.limits.max_queue, self.engine.advance, batch, self.limits.max_itl_factor)
         self.metrics = Metrics(self.engine.store, lambda: self.worker.depth)
         self.chat = ChatTemplate.for_model(self.engine.cfg.model_type, self.tok)
 

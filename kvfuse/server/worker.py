@@ -8,12 +8,21 @@ barrier job (a knowledge-base edit) waits until none is running, and a request s
 cache as soon as it has its first token, so a request reads the knowledge base and the store as it
 would one by one; batching changes no answer (see kvfuse/decode.py). So parallel requests get exactly
 the answers they would get one by one. A job emits events to its asyncio queue; setting its cancel
-event (the client went away) stops it at the next token, or before it starts."""
+event (the client went away) stops it at the next token, or before it starts.
+
+A long prefill does not stall the running streams: a starting job calls `pause()` between the pieces
+of its prefill (kvfuse.fuse.core: each layer, in slices of PREFILL_SLICE tokens), and there the worker
+steps the running requests once whenever they have waited `(max_itl_factor - 1)` times a usual step
+since their last one; so while a newcomer prefills, running streams get a token about every
+`max_itl_factor` usual steps (plus at most one slice), and the newcomer gets the rest of the time.
+Pausing changes nothing computed. A request that finishes during a pause is ended (its citations, which
+may run the model) after the job that paused has started."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -68,13 +77,23 @@ class Job:
                 return
 
 
+DEFAULT_MAX_ITL_FACTOR = 2.0  # while a newcomer prefills, a running stream steps at least every 2 usual steps
+
+
 class Worker:
     def __init__(self, max_queue: int = 16, advance: Callable[[list[Any]], None] | None = None,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, max_itl_factor: float = DEFAULT_MAX_ITL_FACTOR) -> None:
         if max_queue < 1 or max_batch < 1:
             raise ValueError("the queue and the batch need room for at least one request")
-        self.max_queue, self.max_batch = max_queue, max_batch
+        if max_itl_factor < 1.0:
+            raise ValueError(f"max_itl_factor must be at least 1 (a step every usual step), got {max_itl_factor}")
+        self.max_queue, self.max_batch, self.max_itl_factor = max_queue, max_batch, max_itl_factor
         self._advance = advance
+        self._running: list[tuple[Job, Stepper]] = []  # only the worker thread touches these four
+        self._ended: list[tuple[Job, Stepper]] = []  # finished during a pause: ended after the paused start
+        self._starting = False
+        self._last_step = 0.0
+        self._step_s: deque[float] = deque(maxlen=16)  # recent steps' durations
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._depth = 0
         self._lock = threading.Lock()
@@ -108,7 +127,7 @@ class Worker:
         return job
 
     def _run(self) -> None:
-        running: list[tuple[Job, Stepper]] = []
+        running = self._running
         held: Job | None = None  # a barrier job waiting for the running ones to finish
         while True:
             while len(running) < self.max_batch:  # start queued jobs before the next step
@@ -129,30 +148,52 @@ class Worker:
                 if job.barrier and running:
                     held = job
                     break
-                self._start(job, running)
-            if not running:
-                continue
-            try:
-                assert self._advance is not None
-                self._advance([s.decoding for _, s in running])
-            except BaseException as e:  # the step itself failed: every request in it fails; the worker goes on
-                for j, s in running:
-                    self._end(j, s, "error", e)
-                running = []
-                continue
-            for j, s in list(running):
-                try:
-                    s.stepped()
-                    if s.done or j.cancel.is_set():
-                        running.remove((j, s))
-                        self._end(j, s, "done", None)
-                except BaseException as e:  # this request's own failure
-                    running.remove((j, s))
-                    self._end(j, s, "error", e)
+                self._start(job)
+            if running:
+                self._step()
 
-    def _start(self, job: Job, running: list[tuple[Job, Stepper]]) -> None:
+    def pause(self) -> None:
+        """Called by a starting job between pieces of its prefill: step the running requests once if
+        they have waited long enough (see the module docstring). Anywhere else it does nothing."""
+        if not (self._starting and self._running) or threading.current_thread() is not self._thread:
+            return
+        usual = statistics.median(self._step_s) if self._step_s else 0.0
+        if time.perf_counter() - self._last_step >= (self.max_itl_factor - 1.0) * usual:
+            self._step(pausing=True)
+
+    def _step(self, pausing: bool = False) -> None:
+        """One decoding step of every running request; those that finish are ended (after the paused
+        start, when pausing)."""
+        running = self._running
+        t0 = time.perf_counter()
+        try:
+            assert self._advance is not None
+            self._advance([s.decoding for _, s in running])
+        except BaseException as e:  # the step itself failed: every request in it fails; the worker goes on
+            for j, s in running:
+                self._end(j, s, "error", e)
+            running.clear()
+            return
+        finally:
+            self._last_step = time.perf_counter()
+        self._step_s.append(self._last_step - t0)
+        for j, s in list(running):
+            try:
+                s.stepped()
+                if s.done or j.cancel.is_set():
+                    running.remove((j, s))
+                    if pausing:
+                        self._ended.append((j, s))
+                    else:
+                        self._end(j, s, "done", None)
+            except BaseException as e:  # this request's own failure
+                running.remove((j, s))
+                self._end(j, s, "error", e)
+
+    def _start(self, job: Job) -> None:
         job.started = time.perf_counter()
         out = None
+        self._starting = True
         try:
             if job.cancel.is_set():
                 raise asyncio.CancelledError()
@@ -160,11 +201,16 @@ class Worker:
             if isinstance(out, Stepper) and not (out.done or job.cancel.is_set()):
                 if self._advance is None:
                     raise RuntimeError("a generating job needs a worker with an advance function")
-                running.append((job, out))
+                self._running.append((job, out))
                 return
             self._end(job, out if isinstance(out, Stepper) else None, "done", out)
         except BaseException as e:  # reported to the request; the worker keeps serving
             self._end(job, out if isinstance(out, Stepper) else None, "error", e)
+        finally:
+            self._starting = False
+            ended, self._ended = self._ended, []
+            for j, s in ended:
+                self._end(j, s, "done", None)
 
     def _end(self, job: Job, stepper: Stepper | None, kind: str, value: Any) -> None:
         """Report a job's end: its stepper's result (kind "done"), or an error (the stepper is aborted)."""
@@ -177,16 +223,16 @@ class Worker:
                         stepper.abort()
                 except BaseException as e:
                     kind, value = "error", e
-            try:
-                job.emit(kind, value)
-            except RuntimeError:  # the request's event loop is gone: nobody is waiting
-                pass
-        finally:
+        finally:  # counted out before its client hears of the end
             with self._lock:
                 self._depth -= 1
             now = time.perf_counter()  # the time since the worker last finished a job, while busy with this one
             self._recent.append(now - max(self._last_end or 0.0, job.started))
             self._last_end = now
+        try:
+            job.emit(kind, value)
+        except RuntimeError:  # the request's event loop is gone: nobody is waiting
+            pass
 
     def close(self) -> None:
         self._q.put(None)
