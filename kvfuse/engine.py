@@ -215,7 +215,7 @@ class Engine:
     def greedy_head(self) -> GreedyHead | None:
         """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
         if self._greedy_head is False:
-            fp32 = self.model.compute_dtype == torch.float32  # the screen's bound is for a float32 head
+            fp32 = self.precision == "fp32"  # the screen's bound is for a float32 head
             self._greedy_head = GreedyHead.build(self.model.head_weight()) if self.greedy_screen and fp32 else None
         return self._greedy_head  # type: ignore[return-value]
 

@@ -5,8 +5,9 @@
   several times slower than fp32's). Norms and softmax compute in float32 inside their kernels and
   round back; the residual stream is bfloat16 (fidelity against fp32: docs/benchmarks.md).
 - `int8`: weight-only int8 with a per-output-row scale for every linear layer and the LM head
-  (`quant.py`); activations and norms in bfloat16; a tied table's embedding lookups are dequantised
-  from the same int8 matrix as the head.
+  (`quant.py`); activations, norms and the residual stream stay float32 (bfloat16 element-wise ops
+  are slower than float32's on a CPU without AVX-512 BF16, and they cost fidelity); a tied table's
+  embedding lookups are dequantised from the same int8 matrix as the head.
 
 A precision is part of the model fingerprint (`fingerprint`), so caches, profiles and calibrations of
 different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
@@ -36,9 +37,14 @@ def check(precision: str) -> str:
     return precision
 
 
+# what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
+# activations were bfloat16 before "int8-f32")
+TAGS = {"fp32": "", "bf16": "-bf16", "int8": "-int8-f32"}
+
+
 def fingerprint(checkpoint: str, precision: str) -> str:
     """The model fingerprint of a checkpoint run at a precision."""
-    return checkpoint if check(precision) == "fp32" else f"{checkpoint}-{precision}"
+    return checkpoint + TAGS[check(precision)]
 
 
 def load_dtype(precision: str) -> torch.dtype:
@@ -58,11 +64,12 @@ def apply(model: Decoder, precision: str) -> Decoder:
     check(precision)
     if precision == "fp32":
         return model.float()
-    if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in bf16
+    if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in float32
         _quantize_linears(model)
         if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
             model.embed_tokens = Int8Embedding(model.embed_tokens)
-    return model.to(torch.bfloat16)  # what is left (norms, an untied table, biases) in bfloat16
+        return model.float()  # what is left (norms, an untied table, biases) in float32
+    return model.to(torch.bfloat16)
 
 
 def of(model: Decoder) -> str:
@@ -71,10 +78,17 @@ def of(model: Decoder) -> str:
 
     from kvfuse.quant import Int8Embedding, Int8Linear
 
-    if model.compute_dtype == torch.float32:
-        return "fp32"
-    quantized = any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules())
-    return "int8" if quantized else "bf16"
+    if any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules()):
+        return "int8"
+    return "fp32" if model.compute_dtype == torch.float32 else "bf16"
+
+
+def rounding(model: Decoder) -> torch.dtype:
+    """The coarsest dtype the model's computation rounds to: bfloat16 for bf16, and for int8 (its
+    kernel reads its input in bfloat16); float32 for fp32."""
+    import torch
+
+    return torch.float32 if of(model) == "fp32" else torch.bfloat16
 
 
 def _quantize_linears(model: Decoder) -> None:

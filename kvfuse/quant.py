@@ -1,10 +1,13 @@
 """Weight-only int8 layers: each output row of a weight is stored as int8 with one bfloat16 scale.
 
-`w[j] ~= q[j] * scale[j]` with `scale[j] = max|w[j]| / 127`. The matmul is PyTorch's own weight-only
-int8 kernel (`torch._weight_int8pack_mm`), which takes bfloat16 activations on x86 and returns
-bfloat16; it reads a quarter of float32's bytes, which is what a memory-bound decoding step pays for.
-The kernel gives each row the same result whatever the batch, so batched decoding stays bitwise equal
-to a lone request (tested).
+`w[j] ~= q[j] * scale[j]` with `scale[j] = max|w[j]| / 127`. Activations stay in the model's float
+dtype (float32): only the weights are int8. A product of up to KERNEL_ROWS rows (a decoding step, a
+short suffix) runs PyTorch's own weight-only int8 kernel (`torch._weight_int8pack_mm`), which reads a
+quarter of float32's bytes, what a memory-bound decoding step pays for; it takes its input rounded to
+bfloat16 and its result is widened back. The kernel gives each row the same result whatever the batch,
+so batched decoding stays bitwise equal to a lone request (tested). A longer product (a prefill slice)
+is compute-bound, and there the kernel is slower than the float one on CPUs without AMX (measured:
+2x at 512 rows on AVX2), so the weight is dequantised and the float kernel runs.
 
 `Int8Embedding` is a tied table: the token embeddings are its rows, dequantised on lookup, and the LM
 head is the same int8 matrix (Gemma 3's 262k x 640 table is 168 MB instead of 671 MB, stored once).
@@ -16,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ACT_DTYPE = torch.bfloat16  # the kernel's activation (and scale) dtype
+ACT_DTYPE = torch.bfloat16  # the int8 kernel's input (and scale) dtype
+KERNEL_ROWS = 96  # products of at most this many rows run the int8 kernel; longer ones dequantise (see above)
 
 
 QUANT_ROWS = 4096  # rows quantised at a time: the float temporaries of a 262k-row table stay small
@@ -36,9 +40,18 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (..., cols) times the dequantised (rows, cols) weight, transposed -> (..., rows) in bfloat16."""
-    flat = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE).contiguous()
-    return torch._weight_int8pack_mm(flat, q, scale).reshape(*x.shape[:-1], q.shape[0])
+    """x (..., cols) times the dequantised (rows, cols) weight, transposed -> (..., rows) in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= KERNEL_ROWS:
+        out = torch._weight_int8pack_mm(flat.to(ACT_DTYPE).contiguous(), q, scale).to(x.dtype)
+    else:
+        out = F.linear(flat, dequantize(q, scale, x.dtype))
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (rows, cols) weight that int8 rows and their scales stand for, in dtype."""
+    return q.to(dtype) * scale.to(dtype)[:, None]
 
 
 def available() -> bool:
@@ -59,16 +72,22 @@ class Int8Rows(nn.Module):
         self.register_buffer("scale", scale)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., cols) -> (..., rows) in bfloat16."""
+        """x (..., cols) -> (..., rows) in x's dtype."""
         return int8_matmul(x, self.q, self.scale)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Casting the module (`model.float()`) keeps the scales in the kernel's dtype."""
+        super()._apply(fn, recurse)
+        self.scale = self.scale.to(ACT_DTYPE)
+        return self
 
 
 class Int8Linear(Int8Rows):
-    """An nn.Linear with its weight in int8 rows (bias, if any, in bfloat16)."""
+    """An nn.Linear with its weight in int8 rows (bias, if any, as it was)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear.weight)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(ACT_DTYPE), False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,5 +103,5 @@ class Int8Embedding(Int8Rows):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids, dequantised: (..., dim) in bfloat16."""
-        return F.embedding(ids, self.q).to(ACT_DTYPE) * self.scale[ids].unsqueeze(-1)
+        """Rows ids, dequantised: (..., dim) in float32."""
+        return F.embedding(ids, self.q).float() * self.scale[ids].float().unsqueeze(-1)

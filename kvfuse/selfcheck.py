@@ -2,10 +2,10 @@
 fusion would silently give worse answers, so inexact fusers are refused when it fails.
 
 On a 40-token random probe: (1) blend at ratio 1.0 against full prefill (logits within 1e-3 relative in
-float32; four rounding steps of the compute dtype in bfloat16, whose kernels round differently by
-shape), and (2) re-rotated layer-0 keys against keys computed at the target positions (a layer-0 key depends on
-its token alone, so these must agree; blend at 1.0 alone would not catch a wrong rotation, since it
-overwrites every reused key).
+float32; four rounding steps of bfloat16 where the model rounds to it, `precision.rounding`: bf16
+kernels, and int8's, round differently by shape), and (2) re-rotated layer-0 keys against keys
+computed at the target positions (a layer-0 key depends on its token alone, so these must agree; blend
+at 1.0 alone would not catch a wrong rotation, since it overwrites every reused key).
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import torch
 
 from kvfuse import fuse
 from kvfuse.model import Decoder
+from kvfuse.precision import rounding
 
 TOLERANCE = 1e-3  # max |logit difference| relative to max |logit|, in float32
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """The self-check's relative tolerance for a model computing in dtype (a wrong rotation is off by O(1))."""
+    """The self-check's relative tolerance for a model rounding to dtype (a wrong rotation is off by O(1))."""
     return max(TOLERANCE, 4 * torch.finfo(dtype).eps)
 
 
 @torch.inference_mode()
 def check_fusion(model: Decoder, preamble: Sequence[int], rotate: fuse.Rerotate) -> str | None:
     """None when fusion is exact on this model; else what failed, for the user."""
-    cfg, tol = model.cfg, tolerance(model.compute_dtype)
+    cfg, tol = model.cfg, tolerance(rounding(model))
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
 

@@ -28,14 +28,18 @@ def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ign
     lin = torch.nn.Linear(40, 48)
     lin.weight.data = w
     x = torch.randn(5, 40, generator=g)
-    got = quant.Int8Linear(lin)(x).float()
-    want = x.to(torch.bfloat16).float() @ deq.T + lin.bias.to(torch.bfloat16).float()
-    assert torch.allclose(got, want, rtol=2**-7, atol=2**-6)
+    layer = quant.Int8Linear(lin)
+    got = layer(x)
+    want = x.to(torch.bfloat16).float() @ deq.T + lin.bias  # the kernel reads its input in bfloat16
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=2**-7, atol=2**-6)
+    long = torch.randn(quant.KERNEL_ROWS + 1, 40, generator=g)  # a longer product dequantises: float32 exactly
+    assert torch.allclose(layer(long), long @ deq.T + lin.bias, rtol=1e-5, atol=1e-5)
     emb = torch.nn.Embedding(48, 40)
     emb.weight.data = w
     table = quant.Int8Embedding(emb)
     ids = torch.tensor([3, 0, 47, 3])
-    assert torch.allclose(table(ids).float(), deq[ids], rtol=2**-8, atol=0)
+    assert table(ids).dtype == torch.float32 and torch.allclose(table(ids), deq[ids], rtol=1e-6, atol=0)
+    assert table.float().scale.dtype == quant.ACT_DTYPE  # casting the model keeps the kernel's scale dtype
     assert torch.allclose(table.linear(x).float(), x.to(torch.bfloat16).float() @ deq.T, rtol=2**-7, atol=2**-6)
 
 
@@ -54,7 +58,8 @@ def test_each_precision_computes_what_it_says(tiny_models, family: str) -> None:
     models = {p: load_model(root, p).model for p in precision.PRECISIONS}
     assert models["fp32"].compute_dtype == torch.float32
     assert {p: precision.of(m) for p, m in models.items()} == {p: p for p in precision.PRECISIONS}
-    assert models["bf16"].compute_dtype == models["int8"].compute_dtype == torch.bfloat16
+    assert models["bf16"].compute_dtype == torch.bfloat16
+    assert models["int8"].compute_dtype == torch.float32  # int8 weights, float32 activations
     linears = [m for m in models["int8"].modules() if isinstance(m, torch.nn.Linear)]
     assert not linears and any(isinstance(m, quant.Int8Linear) for m in models["int8"].modules())
     assert isinstance(models["int8"].embed_tokens, quant.Int8Embedding) == models["int8"].cfg.tie_embeddings
@@ -83,7 +88,8 @@ def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
     assert keys.isdisjoint(fp32.cache.chunk_key(c) for c in req.chunks)  # never read at another precision
     out = e.generate(req, "blend", 0.5, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.tokens) == 4 and out.first_logits.dtype == torch.float32
-    assert e.kv_dtype == torch.bfloat16 == e.cache.chunk_cache(req.chunks[0])[0].k.dtype  # stored as computed
+    computed = torch.bfloat16 if p == "bf16" else torch.float32
+    assert e.kv_dtype == computed == e.cache.chunk_cache(req.chunks[0])[0].k.dtype  # stored as computed
     assert fp32.kv_dtype == torch.float32
 
 
@@ -93,5 +99,5 @@ def test_the_int8_kernel_gives_each_row_the_same_result_in_any_batch() -> None:
     layer = quant.Int8Linear(lin)
     x = torch.randn(17, 64, generator=g)
     together = layer(x)
-    assert together.shape == (17, 96) and together.dtype == torch.bfloat16
+    assert together.shape == (17, 96) and together.dtype == torch.float32
     assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(17))
