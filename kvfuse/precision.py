@@ -68,7 +68,11 @@ def apply(model: Decoder, precision: str) -> Decoder:
         _quantize_linears(model)
         if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
             model.embed_tokens = Int8Embedding(model.embed_tokens)
-        return model.float()  # what is left (norms, an untied table, biases) in float32
+        model.float()  # what is left (norms, an untied table, biases) in float32
+        for module in model.modules():  # float32 tensors may be views of the checkpoint file's pages, which
+            for p in module.parameters(recurse=False):  # would keep the whole file resident: copy them
+                p.data = p.data.clone()
+        return model
     return model.to(torch.bfloat16)
 
 

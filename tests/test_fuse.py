@@ -263,7 +263,7 @@ def test_pausing_changes_nothing_and_comes_between_pieces(models, family: str, m
         return f.logits, f.cache.k, f.cache.v
 
     builds = {  # name: (what it builds, as tensors), the pauses it makes
-        "prefill": (lambda c: built(fuse.prefill(m, ids, pause=c.pause)), (layers - 1) * math.ceil(len(ids) / 8)),
+        "prefill": (lambda c: built(fuse.prefill(m, ids, pause=c.pause)), layers * math.ceil(len(ids) / 8)),
         "chunk": (lambda c: (lambda kv: (kv.k, kv.v))(fuse.precompute_chunk(m, (1,), chunks[1], pause=c.pause)),
                   layers - 1),
         "reuse": (lambda c: built(fuse.reuse(m, layout, c)), layers),

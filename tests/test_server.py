@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -387,3 +388,46 @@ def test_ratio_auto_works_over_http_with_the_controller(srv) -> None:
     ctl = r["kvfuse"]["controller"]
     assert ctl is not None and ctl["ratio"] == pytest.approx(r["kvfuse"]["ratio"], abs=1e-4)
     assert r["kvfuse"]["ratio"] >= 0.2  # never below the floor
+
+
+def test_a_lone_surrogate_anywhere_gets_a_400_and_the_connection_lives(srv) -> None:
+    """JSON can carry a lone surrogate, which no tokenizer takes: a 400 naming it, never a 500, and the
+    same keep-alive connection serves the next request."""
+    bad = "abc\ud800"
+    bodies = [("/v1/completions", {"prompt": bad, "max_tokens": 1}),
+              ("/v1/completions", {"prompt": ["x", bad], "max_tokens": 1}),
+              ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": [bad]}),
+              ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "documents": [{"text": bad}]}),
+              ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "kb": bad}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}], "max_tokens": 1}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}],
+                                        "max_tokens": 1})]
+    with client(srv) as h:
+        for path, body in bodies:
+            r = h.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            assert "lone surrogate (U+D800) at character 3" in r.json()["error"]["message"], r.text
+            ok = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            assert ok.status_code == 200, ok.text
+
+
+def test_parameters_that_would_change_the_output_are_refused(srv) -> None:
+    with client(srv) as h:
+        for extra, param in (({"logit_bias": {"11": -100}}, "logit_bias"), ({"presence_penalty": 0.5},
+                             "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty")):
+            r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        r = h.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+        assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
+        neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}  # no change: accepted
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **neutral}).status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(srv) -> None:
+    with httpx.Client(base_url=srv[0]) as h:
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            r = h.get("/v1/models", headers={"Authorization": f"{scheme} sk-support-000"})
+            assert r.status_code == 200, scheme
+        assert h.get("/v1/models", headers={"Authorization": "Basic sk-support-000"}).status_code == 401

@@ -102,6 +102,7 @@ def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     for s, e in slices:  # the last layer: every token needs just its KV; only the last one's output is used
         k_buf[last, :, start + s : start + e], v_buf[last, :, start + s : start + e] = model.key_value(
             last, h[s:e], pos_all[start + s : start + e])
+        pause()
     q = model.query(last, h[-1:], pos_all[-1:])
     a = model.attend(last, q, pos_all[-1:], k_buf[last, :, :end], v_buf[last, :, :end], pos_all)
     return model.finish(last, h[-1:], a)

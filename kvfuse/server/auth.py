@@ -67,9 +67,10 @@ class Keys:
         return cls(out)
 
     def lookup(self, header: str | None) -> Principal | None:
-        if not header or not header.startswith("Bearer "):
+        scheme, _, given = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 7235)
             return None
-        given = header.removeprefix("Bearer ").strip()
+        given = given.strip()
         for key, principal in self._by_key.items():
             if hmac.compare_digest(key.encode(), given.encode()):
                 return principal

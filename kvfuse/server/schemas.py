@@ -1,8 +1,11 @@
-"""Request bodies (pydantic, at the HTTP boundary only). Unknown OpenAI parameters are accepted and ignored."""
+"""Request bodies (pydantic, at the HTTP boundary only). Unknown OpenAI parameters are accepted and
+ignored; known ones that would change the output and are not implemented are refused (`unsupported`).
+Every string must be valid Unicode: JSON can carry a lone surrogate (`"\\ud800"`), which no tokenizer
+takes, so it is refused here with a 400 that says where it is."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -11,7 +14,34 @@ from kvfuse.fuse.registry import modes
 MAX_CHARS = 400_000  # per text field: far past any model window, but bounded before tokenising
 
 
-class InputDocument(BaseModel):
+def valid_unicode(v: Any) -> Any:
+    """v, if every string in it (in lists and dicts too) is valid Unicode; else a ValueError saying where."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text has a lone surrogate (U+{ord(v[e.start]):04X}) at character {e.start}; "
+                             "send valid Unicode") from None
+    elif isinstance(v, list | tuple):
+        for x in v:
+            valid_unicode(x)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            valid_unicode(k)
+            valid_unicode(x)
+    return v
+
+
+class Body(BaseModel):
+    """A request body or a part of one: every field's strings are checked (`valid_unicode`)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, v: Any) -> Any:
+        return valid_unicode(v)
+
+
+class InputDocument(Body):
     """A chunk fused into the request (the default mode, or kvfuse.mode): its cache is computed the first
     time it is seen and reused afterwards."""
 
@@ -25,7 +55,7 @@ else:
     ModeName = Literal[modes()]  # the registered fusers, read when the schema is built
 
 
-class KvfuseOptions(BaseModel):
+class KvfuseOptions(Body):
     model_config = ConfigDict(extra="forbid")
 
     mode: ModeName | None = None  # a registered fuser (kvfuse.fuse.FUSERS)
@@ -45,7 +75,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -69,6 +99,9 @@ class _Common(BaseModel):
     suffix: str | None = None
     tools: list[dict] | None = None  # type: ignore[type-arg]
     response_format: dict | None = None  # type: ignore[type-arg]
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def unsupported(self) -> str | None:
         """The first parameter given that this server cannot honour, if any."""
@@ -84,6 +117,11 @@ class _Common(BaseModel):
             return "tools"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
+        if self.logit_bias:
+            return "logit_bias"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name
         return None
 
     @field_validator("stop")
@@ -104,14 +142,14 @@ class CompletionRequest(_Common):
                                                 max_length=MAX_CHARS)
 
 
-class ContentPart(BaseModel):
+class ContentPart(Body):
     model_config = ConfigDict(extra="ignore")
 
     type: str = "text"
     text: str | None = Field(default=None, max_length=MAX_CHARS)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -129,8 +167,14 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    def unsupported(self) -> str | None:
+        for m in self.messages:  # only text is read: an image would be silently dropped
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                return "messages[].content[].type=" + ",".join(sorted({p.type for p in m.content if p.type != "text"}))
+        return super().unsupported()
 
-class DocumentUpsert(BaseModel):
+
+class DocumentUpsert(Body):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1, max_length=128)
