@@ -406,7 +406,8 @@ def test_a_lone_surrogate_anywhere_gets_a_400_and_the_connection_lives(srv) -> N
         for path, body in bodies:
             r = h.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (body, r.text)
-            assert "lone surrogate (U+D800) at character 3" in r.json()["error"]["message"], r.text
+            message = r.json()["error"]["message"]  # ours, or pydantic's where its JSON parser refuses first
+            assert "lone surrogate (U+D800) at character 3" in message or "unicode string" in message, r.text
             ok = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
             assert ok.status_code == 200, ok.text
 

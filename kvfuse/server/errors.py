@@ -57,7 +57,9 @@ def install_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
-        first = errs[0] if errs else {}
+        # the most telling error first: in a union the other members' type errors come before it
+        telling = [x for kind in ("value_error", "string_unicode") for x in errs if x.get("type") == kind]
+        first = (telling or errs or [{}])[0]
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             msg = f"The request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); " \

@@ -77,7 +77,7 @@ class Job:
                 return
 
 
-DEFAULT_MAX_ITL_FACTOR = 2.0  # while a newcomer prefills, a running stream steps at least every 2 usual steps
+DEFAULT_MAX_ITL_FACTOR = 1.5  # while a newcomer prefills, a running stream steps at least every 1.5 usual steps
 
 
 class Worker:
