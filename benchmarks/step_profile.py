@@ -58,9 +58,10 @@ def weight_bytes(engine: Engine) -> int:
     m = engine.model
     total = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
     head = engine.greedy_head()
-    if head is not None:  # the screen reads its int8 table, not the float32 one (tied: counted once above)
-        total += sum(t.numel() * t.element_size() for t in vars(head).values() if isinstance(t, torch.Tensor))
-        total -= m.head_weight().numel() * 4
+    if head is not None:  # the screen reads its int8 table and row bounds, not the float32 head (its `weight`)
+        total += sum(t.numel() * t.element_size() for k, t in vars(head).items()
+                     if isinstance(t, torch.Tensor) and k != "weight")
+        total -= m.head_weight().numel() * m.head_weight().element_size()
     return total
 
 

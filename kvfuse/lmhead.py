@@ -26,6 +26,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvfuse.quant import QUANT_ROWS, dequantize, quantize_rows
+
 log = logging.getLogger(__name__)
 
 MARGIN = 1e-4  # relative, plus the same absolute: covers float32 rounding in the exact logits
@@ -33,14 +35,15 @@ MARGIN = 1e-4  # relative, plus the same absolute: covers float32 rounding in th
 
 class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.detach().float()
-        scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(torch.bfloat16)  # the kernel's own scale
-        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127)
-        deq = q * scale.float()[:, None]  # w'_j, exactly as the kernel sees it
         self.weight = weight  # (vocab, hidden): the exact head, read only for candidates
-        self.q, self.scale = q.to(torch.int8).contiguous(), scale
-        self.err_norm = (w - deq).norm(dim=1)  # ||e_j||
-        self.row_norm = deq.norm(dim=1)  # ||w'_j||
+        self.q, self.scale = quantize_rows(weight)  # the kernel's own rows and scales
+        self.err_norm = torch.empty(weight.shape[0])  # ||e_j||
+        self.row_norm = torch.empty(weight.shape[0])  # ||w'_j||
+        for at in range(0, weight.shape[0], QUANT_ROWS):  # in blocks: no float copy of the whole table
+            rows = slice(at, at + QUANT_ROWS)
+            deq = dequantize(self.q[rows], self.scale[rows], torch.float32)  # w'_j, exactly as the kernel sees it
+            self.err_norm[rows] = (weight[rows].detach().float() - deq).norm(dim=1)
+            self.row_norm[rows] = deq.norm(dim=1)
         # float32 accumulation over `hidden` terms, in the screen and in the exact logits alike
         self.acc = 2 * weight.shape[1] * 2.0**-24 * (self.row_norm + self.err_norm)
 

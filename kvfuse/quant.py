@@ -50,8 +50,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (rows, cols) weight that int8 rows and their scales stand for, in dtype."""
-    return q.to(dtype) * scale.to(dtype)[:, None]
+    """The (..., cols) rows that int8 rows (..., cols) and their scales (...) stand for, in dtype."""
+    return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
 
 
 def available() -> bool:
@@ -104,4 +104,4 @@ class Int8Embedding(Int8Rows):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids, dequantised: (..., dim) in float32."""
-        return F.embedding(ids, self.q).float() * self.scale[ids].float().unsqueeze(-1)
+        return dequantize(F.embedding(ids, self.q), self.scale[ids], torch.float32)

@@ -79,7 +79,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     with torch.device("meta"):
         model = Decoder(cfg)
     state: dict[str, torch.Tensor] = {}
-    for f in files:  # one tensor at a time: the file's float32 copy of only one is alive at once
+    for f in files:  # one tensor at a time, as views of the mapped file where no conversion copies them
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 state[_our_name(name)] = fh.get_tensor(name).to(dtype)
