@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +73,15 @@ class Engine:
     @classmethod
     def load(
         cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
-        **kwargs: object
+        capacity: Mapping[str, int] | None = None, **kwargs: object
     ) -> Engine:
         """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`), open its
-        store (memory, plus disk at store_dir) and run the self-check."""
+        store (memory, plus disk at store_dir; `capacity`: bytes per tier name) and run the self-check."""
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
         loaded = load_model(path, precision)
-        store = open_store(store_dir, loaded.fingerprint)
+        store = open_store(store_dir, loaded.fingerprint, capacity=capacity)
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
     @property
@@ -286,7 +286,8 @@ class Engine:
             if d.slot is None:
                 d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
         h = step_hidden(self.model, [d.slot for d in live], [d.tokens[-1] for d in live])  # type: ignore[misc]
-        greedy = [j for j, d in enumerate(live) if d.params.temperature < MIN_TEMPERATURE and d.steps is None]
+        greedy = [j for j, d in enumerate(live)
+                  if d.params.temperature < MIN_TEMPERATURE and not d.params.adjusts and d.steps is None]
         head = self.greedy_head() if greedy else None
         chosen: dict[int, int] = {}
         if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
@@ -297,7 +298,7 @@ class Engine:
                     logits = self.model.logits(h[j : j + 1])[0]
                     if d.steps is not None:
                         d.steps.append(logits)
-                    chosen[j] = sample(logits, d.params, d.gen)
+                    chosen[j] = sample(logits, d.params, d.gen, d.tokens)
                 d.take(chosen[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)

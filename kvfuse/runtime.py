@@ -37,7 +37,7 @@ class Opened:
 
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
-                precision: str = "fp32") -> Opened:
+                precision: str = "fp32", capacity: dict[str, int] | None = None) -> Opened:
     """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store and tokenizer."""
     import torch
 
@@ -47,7 +47,7 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
 
     path = Path(resolve_model_path(model))
     kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
-    engine = Engine.load(path, store_dir=store, precision=precision, kv_dtype=kv)
+    engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, kv_dtype=kv)
     return Opened(engine, Tokenizer(path), path)
 
 

@@ -1,12 +1,17 @@
-"""Choosing the next token: greedy, or temperature with nucleus (top-p) sampling."""
+"""Choosing the next token: the logits adjusted (OpenAI's logit_bias, presence and frequency penalties),
+then greedy, or temperature with nucleus (top-p) sampling."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 MIN_TEMPERATURE = 1e-4
+MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; -100 bans a token, +100 all but forces it
+MAX_PENALTY = 2.0  # and for presence_penalty and frequency_penalty
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +22,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per time each token was already generated
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -25,10 +33,41 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"logit_bias takes token ids >= 0 and biases between -{MAX_BIAS:g} and "
+                                 f"{MAX_BIAS:g}, got {tok}: {bias}")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before choosing (then a greedy step needs every logit)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick a token id from next-token logits (vocab,)."""
+def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] = ()) -> torch.Tensor:
+    """The logits (vocab,) with the bias added and the penalties for the tokens generated so far taken
+    off, as OpenAI defines them: logit[t] - count[t] * frequency - (count[t] > 0) * presence + bias[t]."""
+    if not params.adjusts:
+        return logits
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias])
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias]))
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts))
+        n = torch.tensor(list(counts.values()), dtype=torch.float32)
+        out.index_add_(0, ids, -(n * params.frequency_penalty + params.presence_penalty))
+    return out
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           generated: Sequence[int] = ()) -> int:
+    """Pick a token id from next-token logits (vocab,), after `generated` tokens of this completion."""
+    logits = adjusted(logits, params, generated)
     if params.temperature < MIN_TEMPERATURE:  # 0 means greedy; tinier ones would overflow the softmax
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)

@@ -15,13 +15,19 @@ def _request(seed: int, n_chunks: int) -> Request:
 
 
 # Requests of different lengths, modes, sampling and stopping: greedy (screened head), seeded
-# temperature sampling, recorded logits (the plain head), a stop token, and max_tokens of 1.
+# temperature sampling, recorded logits (the plain head), a stop token, max_tokens of 1, and the
+# OpenAI logit adjustments (logit_bias, presence and frequency penalties).
 CASES = [
     (0, "full", None, SamplingParams(max_tokens=9, ignore_eos=True), False),
     (1, "blend", 0.5, SamplingParams(max_tokens=7, ignore_eos=True), False),
     (2, "full", None, SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True), False),
     (3, "reuse", None, SamplingParams(max_tokens=6, ignore_eos=True), True),
     (4, "full", None, SamplingParams(max_tokens=1, ignore_eos=True), False),
+    # logit_bias and penalties: greedy over the adjusted logits (no screen), and seeded sampling
+    (5, "full", None, SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=((7, 5.0), (9, -100.0)),
+                                     frequency_penalty=1.5, presence_penalty=0.5), False),
+    (6, "blend", 0.5, SamplingParams(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True,
+                                     presence_penalty=-1.0), False),
 ]
 
 
@@ -105,12 +111,12 @@ def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypat
 
     calls: list[int] = []
 
-    def picky(logits, params, gen=None):  # type: ignore[no-untyped-def]
+    def picky(logits, params, gen=None, generated=()):  # type: ignore[no-untyped-def]
         if params.seed == 13:  # a request whose sampling fails after its first token
             calls.append(1)
             if len(calls) > 1:
                 raise RuntimeError("probabilities are not finite")
-        return sample(logits, params, gen)
+        return sample(logits, params, gen, generated)
 
     reqs = [_request(s, 1) for s in (20, 21)]
     alone = e.generate(reqs[0], "full", None, SamplingParams(max_tokens=4, ignore_eos=True)).tokens

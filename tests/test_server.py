@@ -38,6 +38,12 @@ key = "sk-nokb-000000"
 tenant = "beta"
 
 [[keys]]
+key = "sk-beta-support"
+tenant = "beta"
+[keys.kb]
+demo = ["support"]
+
+[[keys]]
 key = "sk-admin-support"
 tenant = "acme"
 admin = true
@@ -48,6 +54,7 @@ SUPPORT = {"Authorization": "Bearer sk-support-000"}
 LEADS = {"Authorization": "Bearer sk-leads-00000"}
 NOKB = {"Authorization": "Bearer sk-nokb-000000"}
 ADMIN_SUPPORT = {"Authorization": "Bearer sk-admin-support"}
+BETA = {"Authorization": "Bearer sk-beta-support"}
 
 
 def _serve(tiny_models, tmp):  # type: ignore[no-untyped-def]
@@ -174,6 +181,8 @@ def test_kb_endpoints(own_srv) -> None:
         r = h.post("/v1/kb/demo/documents", json={"id": "faq", "text": "Refunds: 15 days."})
         assert r.status_code == 403
     with client(srv, LEADS) as h:
+        ask = {"kb": "demo", "prompt": "Refund?", "max_tokens": 1, "kvfuse": {"group": "support"}}
+        assert h.post("/v1/completions", json=ask).status_code == 200  # an edit rebuilds only prefixes read
         r = h.post("/v1/kb/demo/documents", json={"id": "news", "text": "New office opens in May.",
                                                   "groups": ["support"]})
         assert r.status_code == 200 and r.json()["created"] and r.json()["builds"][0]["group"] == "support"
@@ -213,6 +222,7 @@ def test_malformed_json_and_server_survives(srv) -> None:
     with client(srv) as h:
         r = h.post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] is None  # not a character offset
         assert h.post("/v1/completions", content=b"[1, 2]").status_code == 400
         assert h.get("/health").json()["status"] == "ok"
 
@@ -272,7 +282,7 @@ def test_disconnect_cancels_the_work(srv) -> None:
     url, state = srv
 
     def completion_tokens() -> float:
-        text = httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics", headers=SUPPORT).text
         return float(next(x for x in text.splitlines() if x.startswith("kvfuse_completion_tokens_total")).split()[-1])
 
     before = completion_tokens()
@@ -412,18 +422,31 @@ def test_a_lone_surrogate_anywhere_gets_a_400_and_the_connection_lives(srv) -> N
             assert ok.status_code == 200, ok.text
 
 
-def test_parameters_that_would_change_the_output_are_refused(srv) -> None:
+def test_logit_bias_and_penalties_change_the_output_and_images_are_refused(srv) -> None:
+    """logit_bias bans what greedy would print; penalties steer off repeats; out-of-range values, keys that
+    are not token ids or are outside the vocabulary get a 400; image parts are refused, never dropped."""
+    tok = srv[1].tok
     with client(srv) as h:
-        for extra, param in (({"logit_bias": {"11": -100}}, "logit_bias"), ({"presence_penalty": 0.5},
-                             "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty")):
-            r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **extra})
+        ask = {"prompt": "The office", "max_tokens": 6, "temperature": 0}
+        plain = h.post("/v1/completions", json=ask).json()["choices"][0]["text"]
+        first = [i for i in range(128) if tok.decode([i]) == plain[0]]  # every id that prints its first char
+        banned = h.post("/v1/completions", json={**ask, "logit_bias": {str(i): -100 for i in first}}).json()
+        assert banned["choices"][0]["text"][0] != plain[0]
+        pen = h.post("/v1/completions", json={**ask, "frequency_penalty": 2.0, "presence_penalty": 2.0}).json()
+        assert len(set(plain)) == len(plain) or pen["choices"][0]["text"] != plain  # repeats now cost
+        for extra, param in (({"logit_bias": {"11": -101}}, "logit_bias"), ({"logit_bias": {"comma": 1}},
+                             "logit_bias"), ({"logit_bias": {"100000": 1}}, "logit_bias"),
+                             ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3},
+                                                                               "frequency_penalty")):
+            r = h.post("/v1/completions", json={**ask, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         r = h.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
         assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
-        neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}  # no change: accepted
-        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **neutral}).status_code == 200
+        neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}  # no change
+        same = h.post("/v1/completions", json={**ask, **neutral}).json()["choices"][0]["text"]
+        assert same == plain
 
 
 def test_the_bearer_scheme_is_case_insensitive(srv) -> None:

@@ -232,3 +232,38 @@ def test_pauses_step_only_after_the_usual_gap() -> None:
         worker.close()
     # a step every 5 x 20 ms + 20 ms = 120 ms at most: about 4 in 0.5 s; pausing every time would give ~24
     assert 2 <= steps[0] <= 6, steps
+
+
+def test_retry_after_is_the_time_until_a_slot_frees() -> None:
+    """Retry-After is the measured service time of the work ahead: about one job's time when the queue
+    is full of 0.8 s jobs (a slot frees when the running one ends), not the time to drain the queue."""
+    from kvfuse.server.worker import QueueFull
+
+    worker = Worker(4, max_batch=1)
+
+    async def main() -> tuple[int, float]:
+        first = worker.submit(lambda c, e: time.sleep(0.8))
+        await _collect(first)  # one job measured
+        jobs = [worker.submit(lambda c, e: time.sleep(0.8)) for _ in range(4)]
+        try:
+            worker.submit(lambda c, e: None)
+        except QueueFull as e:
+            retry = e.retry_after
+        else:
+            raise AssertionError("the queue was not full")
+        t0 = time.perf_counter()
+        while True:  # poll until a slot frees: that is what Retry-After promises
+            try:
+                jobs.append(worker.submit(lambda c, e: None))
+                break
+            except QueueFull:
+                await asyncio.sleep(0.02)
+        waited = time.perf_counter() - t0
+        await asyncio.gather(*(_collect(j) for j in jobs))
+        return retry, waited
+
+    try:
+        retry, waited = asyncio.run(main())
+    finally:
+        worker.close()
+    assert waited <= 1.2 and 1 <= retry <= 2  # draining the queue would take 3.2 s

@@ -33,7 +33,7 @@ def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
                                                  "HF checkpoint dir (default: Gemma 3 270M, converted once)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
-                   help="weights and activations: fp32, bf16, or int8 weights with bf16 activations "
+                   help="weights and activations: fp32, bf16, or int8 weights with float32 activations "
                         f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
 
 
@@ -46,6 +46,33 @@ def store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
     p.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
                    help="dtype of stored KV caches (default auto: the precision's, fp32 or bf16)")
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(value: str) -> int:
+    """argparse type for byte budgets: 123456, 512M, 20G, 1.5T (binary units, an optional trailing B/iB)."""
+    v = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = v[-1:] if v[-1:] in _UNITS and v[-1:] else ""
+    try:
+        n = float(v[: len(v) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size; write bytes, or a number with K, M, G or T "
+                                         "(binary units), like 512M or 20G") from None
+    if not n >= 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a byte budget must be at least 1 byte")
+    return int(n)
+
+
+def budget_flags(p: argparse.ArgumentParser) -> None:
+    from kvfuse.store import DEFAULT_CAPACITY  # a light import: no torch
+
+    p.add_argument("--memory-bytes", type=byte_size, default=DEFAULT_CAPACITY["memory"],
+                   help="the memory tier's budget (LRU by bytes, pinned entries kept; default 4G)")
+    p.add_argument("--disk-bytes", type=byte_size, default=DEFAULT_CAPACITY["disk"],
+                   help="the disk tier's budget (LRU by bytes, pinned entries kept; a full filesystem evicts "
+                        "too; default 20G)")
 
 
 def fail(e: Exception) -> SystemExit:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfuse.cli.args import model_flag
+from kvfuse.cli.args import budget_flags, byte_size, model_flag
 from kvfuse.server.worker import DEFAULT_MAX_ITL_FACTOR  # a light import: no torch, no FastAPI
 
 
@@ -26,6 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--max-itl-factor", type=float, default=DEFAULT_MAX_ITL_FACTOR,
                    help="while a request prefills, running streams get a token at least every FACTOR usual steps "
                         "(1: they never wait; larger: the newcomer's first token comes sooner)")
+    s.add_argument("--max-body-bytes", type=byte_size, default=None,
+                   help="the largest request body taken, checked before it is parsed (413 past it; default: "
+                        "16 bytes per token of the window plus the documents allowed)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a key (with --keys it otherwise needs one)")
+    budget_flags(s)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
@@ -51,12 +57,13 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if len(set(names)) != len(names):
         raise SystemExit(f"kvfuse: two --kb directories have the same name ({', '.join(names)})")
     store = store_dir(args.store)
-    rt = open_engine(args.model, store, precision=args.precision)
+    rt = open_engine(args.model, store, precision=args.precision,
+                     capacity={"memory": args.memory_bytes, "disk": args.disk_bytes})
     rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
     limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch,
-                    args.max_itl_factor)
+                    args.max_itl_factor, args.max_body_bytes, args.metrics_public)
     return ServerState(rt.engine, rt.tok, rt.model_id, kbs, keys, limits)
 
 

@@ -94,6 +94,7 @@ def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = N
     if suffix is None and not question.strip():
         raise KBError("the question is empty")
     plan = kb.plan(group, tenant)
+    kb.note_read(group, tenant)
     for c in passages:
         if c.groups and group not in c.groups:
             raise KBError(f"chunk of {c.doc_id!r} is not readable by group {group!r}")

@@ -8,13 +8,14 @@ plans of its groups, its state dir and usage) and the edits. Building is `kb/bui
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvfuse.engine import Engine
 from kvfuse.kb import answer as pipeline
-from kvfuse.kb.build import BuildReport, build, needs_build, stored_tokens
+from kvfuse.kb.build import BuildReport, build, needs_build, stored_tokens, unpin_obsolete
 from kvfuse.kb.cost import CostModel
 from kvfuse.kb.manifest import (
     Document,
@@ -41,6 +42,20 @@ class KnowledgeBase:
         self.usage_log = Usage(state_dir, manifest.name)
         self._plans: dict[tuple[str, str | None], tuple[Manifest, PrefixPlan]] = {}
         self._lock = threading.Lock()
+        self.records: dict[tuple[str, str | None], dict[str, Any]] = {}  # build records, without a state dir
+        self._read: dict[tuple[str, str | None], float] = {}  # prefixes requests read, and when last
+
+    def note_read(self, group: str, tenant: str | None) -> None:
+        """A request read this prefix (an edit rebuilds the prefixes read, `read_prefixes`)."""
+        with self._lock:
+            self._read[(group, tenant or None)] = time.monotonic()
+
+    def read_prefixes(self, groups: Sequence[str] | None = None) -> list[tuple[str, str | None]]:
+        """The (group, tenant) prefixes requests have read since this process started, most recent first
+        (only those of `groups`, if given)."""
+        with self._lock:
+            read = sorted(self._read.items(), key=lambda kv: -kv[1])
+        return [k for k, _ in read if groups is None or k[0] in groups]
 
     @classmethod
     def open(cls, path: str | Path, engine: Engine, tok: Tokenizer, state_dir: Path | None = None,
@@ -116,6 +131,8 @@ class KnowledgeBase:
         self._swap(load_manifest(self.manifest.root))
 
     def _swap(self, manifest: Manifest) -> None:
+        """The edited manifest, in effect at once; every tenant's blocks it made obsolete are unpinned."""
         with self._lock:
             self.manifest = manifest
             self._plans.clear()
+        unpin_obsolete(self)

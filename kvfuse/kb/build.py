@@ -9,12 +9,12 @@ The plan's block hashes are computed once (`CacheManager.block_hashes`) and slic
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.kb.prefix import PrefixPlan
-from kvfuse.kb.usage import build_record_path, locked, read_json, write_json
+from kvfuse.kb.usage import build_record_path, kb_state_dir, locked, read_json, write_json
 from kvfuse.kv import one_thread
 
 if TYPE_CHECKING:
@@ -89,14 +89,62 @@ def build(kb: KnowledgeBase, plan: PrefixPlan, progress: bool = False) -> BuildR
 
 def _record(kb: KnowledgeBase, plan: PrefixPlan, hashes: Sequence[str], report: BuildReport) -> None:
     """Remember this version's blocks; unpin the previous version's blocks that it no longer uses."""
-    if kb.state_dir is None:
-        return
-    path = build_record_path(kb.state_dir, kb.name, plan.group, plan.tenant)
-    with locked(path):
-        old = read_json(path)
-        keep = set(hashes)
+    record = {"kb_version": plan.version, "blocks": list(hashes), "last_build": report.as_dict(),
+              "group": plan.group, "tenant": plan.tenant, "built_at": time.time()}
+    _update(kb, plan.group, plan.tenant, lambda old: record)
+
+
+def _update(kb: KnowledgeBase, group: str, tenant: str | None,
+            change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+    """Replace a build record by change(old record) (None: remove it), unpinning the blocks the old one
+    pinned that the new one does not list. In the state dir when the knowledge base has one, else in memory."""
+    key = (group, tenant or None)
+
+    def apply(old: dict[str, Any]) -> dict[str, Any] | None:
+        new = change(old)
+        keep = set(new["blocks"]) if new else set()
         for h in old.get("blocks", []):
             if h not in keep:
                 kb.engine.store.unpin(h)
-        write_json(path, {"kb_version": plan.version, "blocks": list(hashes), "last_build": report.as_dict(),
-                          "built_at": time.time()})
+        return new
+
+    if kb.state_dir is None:
+        new = apply(kb.records.pop(key, {}))
+        if new is not None:
+            kb.records[key] = new
+        return
+    path = build_record_path(kb.state_dir, kb.name, group, tenant)
+    with locked(path):
+        new = apply(read_json(path))
+        if new is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_json(path, new)
+
+
+def built_prefixes(kb: KnowledgeBase) -> list[tuple[str, str | None]]:
+    """The (group, tenant) prefixes that have a build record: those whose blocks are pinned."""
+    if kb.state_dir is None:
+        return sorted(kb.records, key=lambda k: (k[0], k[1] or ""))
+    found = []
+    for path in sorted(kb_state_dir(kb.state_dir, kb.name).glob("*.json")):
+        rec = read_json(path)
+        if "blocks" in rec and isinstance(rec.get("group"), str):
+            found.append((rec["group"], rec.get("tenant") or None))
+    return found
+
+
+def unpin_obsolete(kb: KnowledgeBase) -> None:
+    """After an edit: for every built prefix, of every tenant, unpin the blocks the knowledge base as it
+    is now no longer uses (a group that is gone loses its record); what is still used stays pinned."""
+    for group, tenant in built_prefixes(kb):
+        if group not in kb.manifest.groups:
+            _update(kb, group, tenant, lambda old: None)
+            continue
+        plan = kb.plan(group, tenant)
+        now: set[str] = set(kb.engine.cache.block_hashes(plan.ids, plan.salts))
+
+        def keep_used(old: dict[str, Any], now: set[str] = now) -> dict[str, Any]:
+            return {**old, "blocks": [h for h in old.get("blocks", []) if h in now]}
+
+        _update(kb, group, tenant, keep_used)

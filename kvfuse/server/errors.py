@@ -12,7 +12,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfuse.kb.manifest import KBError
 from kvfuse.request import ModeUnavailableError, RequestError
-from kvfuse.server.metrics import Metrics
 
 
 class ApiError(Exception):
@@ -48,10 +47,9 @@ def route_of(request: Request) -> str:
     return str(getattr(route, "path", "unmatched"))
 
 
-def install_handlers(app: FastAPI, metrics: Metrics) -> None:
+def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        metrics.requests.labels(route_of(request), str(e.status)).inc()
         return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -61,7 +59,8 @@ def install_handlers(app: FastAPI, metrics: Metrics) -> None:
         telling = [x for kind in ("value_error", "string_unicode") for x in errs if x.get("type") == kind]
         first = (telling or errs or [{}])[0]
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+            loc = []
             msg = f"The request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}); " \
                   "send a JSON object."
         else:
@@ -75,7 +74,3 @@ def install_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, e: Exception) -> JSONResponse:  # a bug: report it, keep serving
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +32,8 @@ class Outcome:
     answer: answer.Answer | None = None  # knowledge-base requests: the pipeline's accounting
     built_tokens: int = 0  # knowledge-base prefix tokens computed for this request (cold cache)
     build_s: float = 0.0
+    client_ttft_s: float = 0.0  # from the request's arrival to its first token: queue and planning included
+    queue_s: float = 0.0  # from arrival to its start on the worker (a cold build before it included)
 
     @property
     def cached(self) -> int:
@@ -44,7 +47,8 @@ class Outcome:
 
     def kvfuse(self, p: Planned) -> dict[str, Any]:
         r, c = self.result, self.result.counts
-        return {"ttft_s": round(r.ttft_s + self.build_s, 6), "mode": p.mode, "fuser": r.fuser, "ratio": r.ratio,
+        return {"ttft_s": round(r.ttft_s + self.build_s, 6), "client_ttft_s": round(self.client_ttft_s, 6),
+                "queue_s": round(self.queue_s, 6), "mode": p.mode, "fuser": r.fuser, "ratio": r.ratio,
                 "recomputed_tokens": c.recomputed, "kb_build_s": round(self.build_s, 6),
                 "cached_token_share": round(self.cached / c.prompt, 4) if c.prompt else 0.0,
                 "controller": r.controller.as_dict() if r.controller is not None else None,
@@ -60,6 +64,7 @@ class Generating:
 
     def __init__(self, state: ServerState, p: Planned, cancel: threading.Event, emit: Any, streaming: bool) -> None:
         self.state, self.cancel, self.emit, self.streaming = state, cancel, emit, streaming
+        self.started = time.perf_counter()
         if cancel.is_set():
             raise asyncio.CancelledError()
         if p.kb is not None and p.prep is not None:
@@ -69,6 +74,7 @@ class Generating:
         self.deltas = TextDeltas(state.tok, p.stops)
         self.pieces: list[str] = []
         self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause)
+        self.first_at = time.perf_counter()
         self.stepped()
 
     @property
@@ -109,9 +115,11 @@ class Generating:
                 except Exception:  # a failed citation must not cost the answer
                     log.exception("citations failed")
             done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built)
-        out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s)
+        out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s,
+                      self.first_at - p.arrived, self.started - p.arrived)
         c = result.counts
-        self.state.metrics.observe(result.ttft_s + p.build_s, c.prompt, out.cached, c.recomputed, len(result.tokens))
+        self.state.metrics.observe(result.ttft_s + p.build_s, out.client_ttft_s, c.prompt, out.cached, c.recomputed,
+                                   len(result.tokens))
         return out
 
     def _finish_reason(self, result: Generation) -> str:

@@ -4,7 +4,8 @@ by the same `kb.answer.prepare` as `kvfuse ask`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from kvfuse.fuse import DEFAULT_MODE
 from kvfuse.kb import answer
@@ -35,6 +36,7 @@ class Planned:
     prep: answer.Prepared | None = None  # the knowledge-base plan it was prepared on
     built: int = 0  # knowledge-base prefix tokens computed for this request (a cold build before it)
     build_s: float = 0.0
+    arrived: float = field(default_factory=time.perf_counter)  # when the request reached the server
 
 
 def group_for(kb: KnowledgeBase, principal: Principal, wanted: str | None) -> str:
@@ -126,13 +128,24 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         params = SamplingParams(max_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-                                stop_token_ids=tuple(stop_ids))
+                                stop_token_ids=tuple(stop_ids), logit_bias=_bias(body, eng.cfg.vocab_size),
+                                presence_penalty=body.presence_penalty or 0.0,
+                                frequency_penalty=body.frequency_penalty or 0.0)
     except (RequestError, ModeUnavailableError, KBError, ValueError) as e:
         raise ApiError(400, str(e), param="kvfuse") from None
     if opts.quote and (kb is None or not question.strip()):
         raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
     stops = body.stops() + (list(state.chat.stop_strings) if chat else [])
     return Planned(req, mode, opts.ratio, params, stops, opts, question, kb, prep)
+
+
+def _bias(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> tuple[tuple[int, float], ...]:
+    out = tuple(sorted((int(k), float(b)) for k, b in (body.logit_bias or {}).items()))
+    bad = [t for t, _ in out if t >= vocab]
+    if bad:
+        raise ApiError(400, f"logit_bias names token ids {bad[:5]} outside this model's vocabulary of {vocab}.",
+                       param="logit_bias", code="invalid_logit_bias")
+    return out
 
 
 def _prompt_ids(body: CompletionRequest, tok: object) -> tuple[list[int], str]:

@@ -99,9 +99,10 @@ class _Common(Body):
     suffix: str | None = None
     tools: list[dict] | None = None  # type: ignore[type-arg]
     response_format: dict | None = None  # type: ignore[type-arg]
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024,
+                                                description="token id (as a string) -> bias, from -100 to 100")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
     def unsupported(self) -> str | None:
         """The first parameter given that this server cannot honour, if any."""
@@ -117,12 +118,17 @@ class _Common(Body):
             return "tools"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
-        if self.logit_bias:
-            return "logit_bias"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name
         return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.isascii() or not k.isdigit():
+                raise ValueError(f"logit_bias keys are token ids written as strings, like \"1234\", not {k[:20]!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {b} for {k}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -21,6 +21,7 @@ may run the model) after the job that paused has started."""
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import statistics
 import threading
@@ -112,8 +113,12 @@ class Worker:
         return self._depth
 
     def retry_after(self) -> int:
-        per_job = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        return max(1, round(per_job * self._depth))
+        """Seconds until a full queue likely has room: the usual time between two finished jobs (the
+        measured service time, batching included), less the time since the last one finished."""
+        if not self._recent:
+            return 1
+        since = time.perf_counter() - (self._last_end or 0.0)
+        return max(1, math.ceil(statistics.median(self._recent) - since))
 
     def submit(self, fn: JobFn, barrier: bool = False) -> Job:
         """Queue a job; a `barrier` job (a knowledge-base edit) waits until the running ones are done, so

@@ -93,6 +93,7 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
         for _, info in sorted(found, key=lambda x: x[0]):
             self._index.add(info.key, info, info.nbytes, evict=False)
+        self._drop_evicted(self._index.evict())  # a budget lowered since the last run
 
     def _read_info(self, path: Path) -> EntryInfo:
         from safetensors import safe_open
@@ -187,8 +188,9 @@ class DiskTier:
     # -- writes --------------------------------------------------------------------------------
 
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
-        """Write an entry atomically (temp file, fsync, rename). Returns False if it was not stored:
-        larger than the capacity, or the disk is full (ENOSPC: logged, and requests go on)."""
+        """Write an entry atomically. Returns False if it was not stored: larger than the budget, or the
+        filesystem is full (ENOSPC) even after evicting every unpinned entry, least recently used first
+        (logged and counted in `stats.write_failures`; requests go on)."""
         from safetensors.torch import save
 
         k, v = cache.k.contiguous(), cache.v.contiguous()
@@ -204,6 +206,30 @@ class DiskTier:
         if len(data) > self.capacity_bytes:
             return False
         path = self._path(key)
+        while True:
+            try:
+                self._write(path, data)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    self.stats.write_failures += 1
+                    self.stats.last_write_ok = False
+                    raise
+                if not self._evict_one(key):  # the filesystem is full before the budget: make room, LRU first
+                    log.warning("disk tier %s is full and nothing more can be evicted; KV cache entry not "
+                                "written (requests go on)", self.root)
+                    self.stats.write_failures += 1
+                    self.stats.last_write_ok = False
+                    return False
+        with self._lock:
+            info = EntryInfo(key, path, len(data), len(cache), int(k.shape[0]))
+            self._drop_evicted(self._index.add(key, info, info.nbytes, pin))
+        self.stats.last_write_ok = True
+        return True
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        """Write a file atomically: a temp file, fsync, rename (readers see the old file or the new one)."""
         tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,17 +237,26 @@ class DiskTier:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
-        except OSError as e:
+            os.replace(tmp, path)
+        except OSError:
             tmp.unlink(missing_ok=True)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("disk tier %s is full; KV cache entry not written (requests go on)", self.root)
-                return False
             raise
+
+    def _evict_one(self, keep: CacheKey) -> bool:
+        """Evict the least recently used unpinned entry (not `keep`); False when there is none."""
         with self._lock:
-            info = EntryInfo(key, path, len(data), len(cache), int(k.shape[0]))
-            self._drop_evicted(self._index.add(key, info, info.nbytes, pin))
-        return True
+            victim = self._index.oldest_unpinned(exclude=keep)
+            if victim is None:
+                return False
+            info = self._index.pop(victim)
+            assert info is not None
+            self._drop_evicted([info])
+            return True
+
+    def pinned(self) -> set[CacheKey]:
+        """The keys held pinned (never evicted)."""
+        with self._lock:
+            return self._index.pinned()
 
     def pin(self, key: CacheKey) -> None:
         with self._lock:

@@ -38,6 +38,9 @@ class LruIndex(Generic[V]):
     def touch(self, key: CacheKey) -> None:
         self._entries.move_to_end(key)
 
+    def pinned(self) -> set[CacheKey]:
+        return set(self._pinned)
+
     @property
     def pinned_bytes(self) -> int:
         return sum(self._entries[k][1] for k in self._pinned)
@@ -66,6 +69,10 @@ class LruIndex(Generic[V]):
     def unpin(self, key: CacheKey) -> list[V]:
         self._pinned.discard(key)
         return self.evict()
+
+    def oldest_unpinned(self, exclude: CacheKey | None = None) -> CacheKey | None:
+        """The least recently used entry that may be evicted."""
+        return next((k for k in self._entries if k not in self._pinned and k != exclude), None)
 
     def evict(self) -> list[V]:
         evicted: list[V] = []

@@ -66,6 +66,11 @@ class MemoryTier:
             self.stats.evictions += len(self._index.add(key, cache, cache.nbytes, pin))
             return True
 
+    def pinned(self) -> set[CacheKey]:
+        """The keys held pinned (never evicted)."""
+        with self._lock:
+            return self._index.pinned()
+
     def pin(self, key: CacheKey) -> None:
         with self._lock:
             self._index.pin(key)

@@ -3,6 +3,8 @@ keys; barrier jobs that rebuild the affected groups) and GET /v1/kb/{name} (grou
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +15,9 @@ from kvfuse.server.errors import ApiError
 from kvfuse.server.routes.jobs import on_worker
 from kvfuse.server.schemas import DocumentUpsert
 from kvfuse.server.state import ServerState
+from kvfuse.server.worker import QueueFull
+
+log = logging.getLogger(__name__)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -35,7 +40,7 @@ def router(state: ServerState) -> APIRouter:
             raise ApiError(403, f"This key may edit only documents of {', '.join(allowed)}.", "permission_error",
                            param="groups", code="group_not_allowed")
 
-        def work() -> dict[str, Any]:
+        def work() -> tuple[dict[str, Any], tuple[str, ...]]:
             with state.kb_lock:
                 m = kb.manifest
                 old = _editable(kb, body.id, allowed)
@@ -48,10 +53,11 @@ def router(state: ServerState) -> APIRouter:
                                tuple(sorted(groups)), body.shared if body.shared is not None else (
                                    old.shared if old else False), body.text)
                 kb.put_document(doc)
-                builds = [kb.build(g).as_dict() for g in doc.groups if g in kb.manifest.groups]
-                return {"kb": kb.name, "id": doc.id, "created": old is None, "builds": builds}
+                changed = (*doc.groups, *(old.groups if old else ()))
+                return {"kb": kb.name, "id": doc.id, "created": old is None}, changed
 
-        return await on_worker(state, work)  # type: ignore[no-any-return]
+        out, groups = await on_worker(state, work)
+        return {**out, **await _rebuild(state, kb, groups, request)}
 
     @r.delete("/v1/kb/{name}/documents/{doc_id}")
     async def delete_document(name: str, doc_id: str, request: Request) -> dict[str, Any]:
@@ -60,14 +66,14 @@ def router(state: ServerState) -> APIRouter:
             raise ApiError(404, f"No document {doc_id!r} in knowledge base {name!r}.", "not_found_error",
                            param="doc_id", code="document_not_found")
 
-        def work() -> dict[str, Any]:
+        def work() -> tuple[dict[str, Any], tuple[str, ...]]:
             with state.kb_lock:
                 groups = kb.manifest.document(doc_id).groups
                 kb.delete_document(doc_id)
-                builds = [kb.build(g).as_dict() for g in groups if g in kb.manifest.groups]
-                return {"kb": kb.name, "id": doc_id, "deleted": True, "builds": builds}
+                return {"kb": kb.name, "id": doc_id, "deleted": True}, groups
 
-        return await on_worker(state, work)  # type: ignore[no-any-return]
+        out, groups = await on_worker(state, work)
+        return {**out, **await _rebuild(state, kb, groups, request)}
 
     @r.get("/v1/kb/{name}")
     async def kb_stats(name: str, request: Request) -> dict[str, Any]:
@@ -90,6 +96,48 @@ def router(state: ServerState) -> APIRouter:
         return out
 
     return r
+
+
+async def _rebuild(state: ServerState, kb: KnowledgeBase, groups: tuple[str, ...], request: Request) -> dict[str, Any]:
+    """Rebuild, as barrier jobs queued behind the edit, the prefixes of the edited groups that requests
+    have read (every tenant's; none that nobody read). The editing key's own tenant's are awaited and
+    reported; the others' run behind them, unawaited (their count is reported, not their tenants)."""
+    tenant = state.principal(request).tenant or None
+    builds, queued = [], 0
+    for g, t in kb.read_prefixes(groups):
+        if g not in kb.manifest.groups:
+            continue
+        build = functools.partial(_ensure_built, state, kb, g, t)
+        if t == tenant:
+            report = await on_worker(state, build)
+            if report is not None:
+                builds.append(report)
+        else:
+            queued += _queue(state, build)
+    return {"builds": builds, "rebuilds_queued": queued}
+
+
+def _ensure_built(state: ServerState, kb: KnowledgeBase, group: str, tenant: str | None) -> dict[str, Any] | None:
+    with state.kb_lock:
+        report = kb.ensure_built(group, tenant)
+    return report.as_dict() if report is not None else None
+
+
+def _queue(state: ServerState, fn: Any) -> int:
+    """Queue a barrier job nobody awaits (1), or skip it when the queue is full (0: the prefix is then
+    built before the first request that reads it)."""
+    def run() -> Any:
+        try:
+            return fn()
+        except Exception:  # nobody awaits it: say so in the log (the next reader builds it instead)
+            log.exception("rebuilding a knowledge-base prefix after an edit failed")
+            raise
+
+    try:
+        state.worker.submit(lambda cancel, emit: run(), barrier=True)
+    except QueueFull:
+        return 0
+    return 1
 
 
 def _editable(kb: KnowledgeBase, doc_id: str, allowed: tuple[str, ...] | None) -> Document | None:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfuse.kb import answer
 from kvfuse.server.errors import as_api_error, busy, error_body, route_of
 from kvfuse.server.generation import Generating, Outcome
+from kvfuse.server.metrics import ARRIVED
 from kvfuse.server.planning import Planned, plan_request
 from kvfuse.server.routes.jobs import on_worker
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -44,7 +45,10 @@ def router(state: ServerState) -> APIRouter:
 
 async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
                     chat: bool) -> Response:
-    planned = plan_request(state, body, state.principal(request), chat)
+    principal = state.principal(request)
+    loop = asyncio.get_running_loop()  # tokenising and retrieval scale with the input: off the event loop
+    planned = await loop.run_in_executor(state.planner, plan_request, state, body, principal, chat)
+    planned.arrived = request.scope.get(ARRIVED, planned.arrived)
     kb, prep = planned.kb, planned.prep
     if kb is not None and prep is not None and answer.needs_warming(kb, prep):
         # a cold prefix is built as a barrier job, before this request starts, never inside a running batch,
@@ -68,7 +72,6 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
         return StreamingResponse(_sse(state, job, planned, rid, created, chat, include_usage, path),
                                  media_type="text/event-stream")
     outcome = await _wait(job, request)
-    state.metrics.requests.labels(path, "200").inc()
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
                                   "logprobs": None, "finish_reason": outcome.finish_reason}
@@ -122,8 +125,8 @@ async def _sse(state: ServerState, job: Job, p: Planned, rid: str, created: int,
                     body = {"id": rid, "object": obj, "created": created, "model": state.model_id,
                             "choices": [], "usage": value.usage()}
                     yield f"data: {json.dumps(body)}\n\n"
-                state.metrics.requests.labels(path, "200").inc()
             else:
+                state.metrics.stream_errors.labels(path).inc()
                 err = as_api_error(value)
                 yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
         yield "data: [DONE]\n\n"

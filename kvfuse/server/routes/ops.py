@@ -19,6 +19,7 @@ def router(state: ServerState) -> APIRouter:
 
     @r.get("/metrics")
     async def metrics(request: Request) -> Response:
+        state.metrics_reader(request)
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
