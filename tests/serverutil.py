@@ -29,3 +29,15 @@ def serving(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def samples(exposition: str, name: str) -> dict[str, float]:
+    """The samples of one metric in Prometheus' text format, keyed by their labels ("k=v,k=v", sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(exposition):
+        for s in fam.samples:
+            if s.name == name:
+                out[",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
+    return out

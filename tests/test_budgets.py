@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from serverutil import samples
 
 from kvfuse.cli.args import budget_flags, byte_size
 from kvfuse.kv import KVCache
@@ -77,15 +78,10 @@ def test_budget_flags_reach_the_store(tmp_path: Path) -> None:
     assert {t.name: t.capacity_bytes for t in store.tiers} == {"memory": 1 << 20, "disk": 3 << 20}
 
 
-def _scrape(metrics: Metrics) -> dict[str, float]:
+def _tier(metrics: Metrics, name: str, tier: str) -> float:
     from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
-    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
-        for s in fam.samples:
-            out[s.name + "".join(f"[{v}]" for v in s.labels.values())] = s.value
-    return out
+    return samples(generate_latest(metrics.registry).decode(), name)[f"tier={tier}"]
 
 
 def test_store_metrics_count_corrupt_entries_failures_and_evictions(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -98,17 +94,15 @@ def test_store_metrics_count_corrupt_entries_failures_and_evictions(tmp_path: Pa
     path.write_bytes(bytes(data))
     again = open_store(tmp_path, "m", capacity={"memory": 1 << 20, "disk": 1 << 30})  # a restart: memory empty
     m = Metrics(again, lambda: 0)
-    assert _scrape(m)["kvfuse_store_corrupt_total[disk]"] == 0
+    assert _tier(m, "kvfuse_store_corrupt_total", "disk") == 0
     assert again.get("cc01") is None  # type: ignore[arg-type]  # detected on the read, dropped, counted
-    got = _scrape(m)
-    assert got["kvfuse_store_corrupt_total[disk]"] == 1 and got["kvfuse_store_tier_up[disk]"] == 1
+    assert _tier(m, "kvfuse_store_corrupt_total", "disk") == 1 and _tier(m, "kvfuse_store_tier_up", "disk") == 1
     disk = again.tier("disk")
     assert isinstance(disk, DiskTier)
     _filesystem_of(disk, 0, monkeypatch)  # nothing fits any more
     assert not disk.put("cc02", _cache(1))  # type: ignore[arg-type]
-    got = _scrape(m)
-    assert got["kvfuse_store_write_failures_total[disk]"] == 1 and got["kvfuse_store_tier_up[disk]"] == 0
-    assert got["kvfuse_store_capacity_bytes[memory]"] == 1 << 20
+    assert _tier(m, "kvfuse_store_write_failures_total", "disk") == 1 and _tier(m, "kvfuse_store_tier_up", "disk") == 0
+    assert _tier(m, "kvfuse_store_capacity_bytes", "memory") == 1 << 20
     for i in range(3):  # the memory tier holds about one entry and a half: puts evict
         again.tiers[0].put(f"dd0{i}", _cache(i, n=2000))  # type: ignore[arg-type]
-    assert _scrape(m)["kvfuse_store_evictions_total[memory]"] >= 1
+    assert _tier(m, "kvfuse_store_evictions_total", "memory") >= 1

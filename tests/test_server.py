@@ -57,18 +57,19 @@ ADMIN_SUPPORT = {"Authorization": "Bearer sk-admin-support"}
 BETA = {"Authorization": "Bearer sk-beta-support"}
 
 
-def _serve(tiny_models, tmp):  # type: ignore[no-untyped-def]
-    """A server over its own copy of the demo knowledge base and its own store."""
+def _serve(tiny_models, tmp, keys: bool = True, tok=None, **limits):  # type: ignore[no-untyped-def]
+    """A server over its own copy of the demo knowledge base and its own store (`limits` override the
+    tests' Limits; `tok` replaces the character tokenizer; `keys=False` serves without keys)."""
     root, _ = tiny_models["gemma3"]
     lm = load_model(root)
     write_kb(tmp / "kb")
     (tmp / "keys.toml").write_text(KEYS)
     engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "store", lm.fingerprint))
     engine.cfg = dataclasses.replace(engine.cfg, eos_token_ids=())  # generations always run to max_tokens
-    tok = CharTokenizer()
+    tok = tok or CharTokenizer()
     kb = KnowledgeBase.open(tmp / "kb", engine, tok, state_dir=tmp / "store")
-    state = ServerState(engine, tok, "tiny", {"demo": kb}, Keys.load(tmp / "keys.toml"),
-                        Limits(max_documents=3, max_document_tokens=120, max_queue=4))
+    lim = Limits(**{"max_documents": 3, "max_document_tokens": 120, "max_queue": 4, **limits})
+    state = ServerState(engine, tok, "tiny", {"demo": kb}, Keys.load(tmp / "keys.toml") if keys else None, lim)
     return serving(create_app(state)), state
 
 

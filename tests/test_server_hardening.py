@@ -2,7 +2,6 @@
 that stalls nothing, every response counted, TTFT with its queue, the OpenAPI schema and local docs,
 /metrics behind a key, and knowledge-base edits that rebuild what requests read."""
 
-import dataclasses
 import json
 import threading
 import time
@@ -10,32 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from chartok import CharTokenizer
-from kbdata import write_kb
-from serverutil import serving
-from test_server import BETA, KEYS, LEADS, SUPPORT, _serve, client
+from serverutil import samples
+from test_server import BETA, LEADS, SUPPORT, _serve, client
 
-from kvfuse.engine import Engine
-from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.build import built_prefixes
-from kvfuse.server.app import Limits, ServerState, create_app
-from kvfuse.server.auth import Keys
-from kvfuse.store import open_store
-from kvfuse.weights import load_model
+from kvfuse.server.app import Limits
 
 
 def _server(tiny_models, tmp, keys: bool = True, tok=None, **limits):  # type: ignore[no-untyped-def]
-    root, _ = tiny_models["gemma3"]
-    lm = load_model(root)
-    write_kb(tmp / "kb")
-    (tmp / "keys.toml").write_text(KEYS)
-    engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "store", lm.fingerprint))
-    engine.cfg = dataclasses.replace(engine.cfg, eos_token_ids=())
-    tok = tok or CharTokenizer()
-    kb = KnowledgeBase.open(tmp / "kb", engine, tok, state_dir=tmp / "store")
-    lim = Limits(**{"max_documents": 3, "max_document_tokens": 120, "max_queue": 8, **limits})
-    state = ServerState(engine, tok, "tiny", {"demo": kb}, Keys.load(tmp / "keys.toml") if keys else None, lim)
-    return serving(create_app(state)), state
+    return _serve(tiny_models, tmp, keys, tok, **{"max_queue": 8, **limits})
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +28,7 @@ def srv(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _metric(url: str, name: str, headers: dict[str, str] = SUPPORT) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
-        for s in fam.samples:
-            if s.name == name:
-                out[",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
-    return out
+    return samples(httpx.get(url + "/metrics", headers=headers).text, name)
 
 
 def test_bodies_past_the_limit_get_413_before_they_are_read(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -14,8 +14,8 @@ Message = dict[str, Any]
 class BodyLimit:
     """ASGI middleware: HTTP request bodies of at most `max_bytes` reach `app`; larger ones get 413."""
 
-    def __init__(self, app: Any, max_bytes: int, on_refused: Any = None) -> None:
-        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -47,8 +47,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, send: Any, declared: int | None) -> None:
-        if self.on_refused is not None:
-            self.on_refused(scope)
         size = f"{declared} bytes" if declared is not None else f"more than {self.max_bytes} bytes"
         msg = (f"The request body is {size}; this server takes at most {self.max_bytes} bytes (kvfuse serve "
                "--max-body-bytes). Send fewer or shorter documents or messages.")

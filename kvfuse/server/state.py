@@ -19,6 +19,7 @@ from kvfuse.server.metrics import Metrics
 from kvfuse.server.worker import DEFAULT_MAX_ITL_FACTOR, Worker
 from kvfuse.text.chat import ChatTemplate
 
+PLANNER_NICE = 15  # the planner thread's CPU priority: below the worker and the event loop
 BODY_BYTES_PER_TOKEN = 16  # JSON bytes per token allowed: text runs 3-5 bytes a token, \u-escaped text up to 12
 
 
@@ -46,9 +47,6 @@ def _low_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PLANNER_NICE)
     except (OSError, AttributeError):  # not permitted, or not Linux: plan at the usual priority
         pass
-
-
-PLANNER_NICE = 15
 
 
 @dataclass

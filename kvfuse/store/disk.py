@@ -211,16 +211,16 @@ class DiskTier:
                 self._write(path, data)
                 break
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    self.stats.write_failures += 1
-                    self.stats.last_write_ok = False
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                if full and self._evict_one(key):  # the filesystem filled before the budget: make room, LRU first
+                    continue
+                self.stats.write_failures += 1
+                self.stats.last_write_ok = False
+                if not full:
                     raise
-                if not self._evict_one(key):  # the filesystem is full before the budget: make room, LRU first
-                    log.warning("disk tier %s is full and nothing more can be evicted; KV cache entry not "
-                                "written (requests go on)", self.root)
-                    self.stats.write_failures += 1
-                    self.stats.last_write_ok = False
-                    return False
+                log.warning("disk tier %s is full and nothing more can be evicted; KV cache entry not "
+                            "written (requests go on)", self.root)
+                return False
         with self._lock:
             info = EntryInfo(key, path, len(data), len(cache), int(k.shape[0]))
             self._drop_evicted(self._index.add(key, info, info.nbytes, pin))
