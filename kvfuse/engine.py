@@ -31,6 +31,7 @@ from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, Req
 from kvfuse.rope import rerotate_into
 from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 from kvfuse.selfcheck import check_fusion
+from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -73,15 +74,16 @@ class Engine:
     @classmethod
     def load(
         cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
-        capacity: Mapping[str, int] | None = None, **kwargs: object
+        capacity: Mapping[str, int] | None = None, remote: Remote | None = None, **kwargs: object
     ) -> Engine:
         """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`), open its
-        store (memory, plus disk at store_dir; `capacity`: bytes per tier name) and run the self-check."""
+        store (memory, plus disk at store_dir, plus a shared Redis at `remote`; `capacity`: bytes per
+        tier name) and run the self-check."""
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
         loaded = load_model(path, precision)
-        store = open_store(store_dir, loaded.fingerprint, capacity=capacity)
+        store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
     @property

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvfuse.engine import Engine
     from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.store.base import Remote
     from kvfuse.text.tokenizer import Tokenizer
 
 KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -37,8 +38,10 @@ class Opened:
 
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
-                precision: str = "fp32", capacity: dict[str, int] | None = None) -> Opened:
-    """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store and tokenizer."""
+                precision: str = "fp32", capacity: dict[str, int] | None = None,
+                remote: Remote | None = None) -> Opened:
+    """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store (and a shared Redis
+    tier at `remote`) and tokenizer."""
     import torch
 
     from kvfuse.engine import Engine
@@ -47,7 +50,7 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
 
     path = Path(resolve_model_path(model))
     kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
-    engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, kv_dtype=kv)
+    engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv)
     return Opened(engine, Tokenizer(path), path)
 
 

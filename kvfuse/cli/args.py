@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfuse.precision import DEFAULT_PRECISION, PRECISIONS
 from kvfuse.runtime import KV_DTYPES
+
+if TYPE_CHECKING:
+    from kvfuse.store.base import Remote
 
 RATIO_HELP = ("the recompute ratio, between 0 and 1 (default: the mode's own, blend 0.15, queryaware 0.2), "
               "or auto (the loading controller)")
@@ -41,8 +45,33 @@ def store_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
 
 
+def redis_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="a shared Redis (or Valkey) tier after memory and disk: redis://HOST:PORT/DB or "
+                        "unix:///path/to.sock; replicas and processes on it reuse each other's caches")
+    p.add_argument("--redis-namespace", default="kvfuse:", help="prefix of every key in Redis (default kvfuse:)")
+    p.add_argument("--redis-timeout-ms", type=float, default=200.0,
+                   help="each Redis call's timeout; past it the entry is a miss (default 200)")
+
+
+def remote(args: argparse.Namespace) -> Remote | None:
+    """The Redis tier the flags ask for, checked; None without --redis."""
+    from kvfuse.store.base import Remote
+    from kvfuse.store.redis import check_url
+
+    if not getattr(args, "redis", None):
+        return None
+    if not args.redis_timeout_ms > 0:
+        raise SystemExit(f"kvfuse: --redis-timeout-ms must be positive, got {args.redis_timeout_ms}")
+    try:
+        return Remote(check_url(args.redis), args.redis_namespace, args.redis_timeout_ms / 1000)
+    except ValueError as e:
+        raise SystemExit(f"kvfuse: {e}") from None
+
+
 def store_flags(p: argparse.ArgumentParser) -> None:
     store_flag(p)
+    redis_flags(p)
     p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
     p.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
                    help="dtype of stored KV caches (default auto: the precision's, fp32 or bf16)")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvfuse.cli.args import RATIO_HELP, fail, model_flag, ratio, read, store_flag, store_flags
+from kvfuse.cli.args import RATIO_HELP, fail, model_flag, ratio, read, remote, store_flag, store_flags
 from kvfuse.runtime import DEFAULT_FLOOR, attach_controller, open_engine, store_dir
 
 
@@ -77,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise fail(e) from None
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision)
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args))
     engine, tok = rt.engine, rt.tok
     attach_controller(engine, where, FUSERS[args.mode].takes_ratio, args.floor)
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
@@ -122,7 +122,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision)
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args))
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)
@@ -176,7 +176,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvfuse: --floor must be between 0 and 1, got {args.floor}")
     costs = _costs(args.cost)
     where = store_dir(args.store, args.no_store)
-    engine = open_engine(args.model, where, args.kv_dtype, args.precision).engine
+    engine = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args)).engine
     prof = load_or_profile(engine, cache_dir(), where, refresh=args.refresh, costs=costs)
     ctl = Controller(prof, args.floor)
     out = {

@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfuse.cli.args import fail as _fail
-from kvfuse.cli.args import model_flag
+from kvfuse.cli.args import model_flag, redis_flags, remote
 from kvfuse.runtime import bundled, open_engine, store_dir
+
+if TYPE_CHECKING:
+    from kvfuse.store.base import Remote
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -72,10 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _common(p: argparse.ArgumentParser) -> None:
     model_flag(p)
     p.add_argument("--store", default=None, help="KV store directory (default: the user cache dir)")
+    redis_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32") -> Any:
+def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32",
+            shared: Remote | None = None) -> Any:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
 
@@ -84,7 +89,7 @@ def open_kb(path: str, model: str | None, store: str | None, precision: str = "f
     except KBError as e:
         raise _fail(e) from None
     where = store_dir(store)
-    rt = open_engine(model, where, precision=precision)
+    rt = open_engine(model, where, precision=precision, remote=shared)
     return KnowledgeBase(rt.engine, rt.tok, manifest, state_dir=where)
 
 
@@ -102,7 +107,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
     if args.action == "stats":
         return _stats(args)
-    kb = open_kb(args.dir, args.model, args.store, args.precision)
+    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args))
     try:
         report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
     except KBError as e:
@@ -189,7 +194,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             index = Index.load(args.index)
         except RetrievalIndexError as e:
             raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store, args.precision)
+    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args))
     group = _group(kb, args.group)
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
@@ -231,7 +236,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         questions = load_questions(args.questions)[: args.cases]
     except KBError as e:
         raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store, args.precision)
+    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args))
     group = _group(kb, args.group)
     try:
         res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet,

@@ -8,9 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvfuse.cli import engine, eval, kb, serve
+from kvfuse.cli import cluster, engine, eval, kb, serve
 
-FAMILIES = (engine, eval, kb, serve)
+FAMILIES = (engine, eval, kb, serve, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfuse.cli.args import budget_flags, byte_size, model_flag
+from kvfuse.cli.args import budget_flags, byte_size, model_flag, redis_flags, remote
 from kvfuse.server.worker import DEFAULT_MAX_ITL_FACTOR  # a light import: no torch, no FastAPI
 
 
@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without a key (with --keys it otherwise needs one)")
     budget_flags(s)
+    redis_flags(s)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
@@ -58,7 +59,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise SystemExit(f"kvfuse: two --kb directories have the same name ({', '.join(names)})")
     store = store_dir(args.store)
     rt = open_engine(args.model, store, precision=args.precision,
-                     capacity={"memory": args.memory_bytes, "disk": args.disk_bytes})
+                     capacity={"memory": args.memory_bytes, "disk": args.disk_bytes}, remote=remote(args))
     rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}

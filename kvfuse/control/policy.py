@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_FLOOR = 0.15
-DEFAULT_COST_PER_GB = {"memory": 4.0, "disk": 0.1}  # relative storage cost per GB; configurable
+DEFAULT_COST_PER_GB = {"memory": 4.0, "disk": 0.1, "redis": 1.0}  # relative storage cost per GB; configurable
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +159,13 @@ class Controller:
         return self.floor if calibrated is None else calibrated
 
     def _tier(self, tier: str) -> TierProfile:
-        try:
+        """A tier's measured profile. A tier the profile never measured (a Redis tier added after the profile
+        was saved; `kvfuse profile --refresh` measures it) is predicted as the slowest tier measured."""
+        if tier in self.profile.tiers:
             return self.profile.tiers[tier]
-        except KeyError:
-            raise ValueError(f"unknown tier {tier!r}; profiled tiers: {', '.join(self.profile.tiers)}") from None
+        if not self.profile.tiers:
+            raise ValueError(f"unknown tier {tier!r}: the profile measured no tier")
+        return min(self.profile.tiers.values(), key=lambda t: t.read_bytes_per_s)
 
     def decide(self, n_tokens: int, tier: str, ratio: float | None = None, fuser: str = "blend") -> Decision:
         """The ratio for n reused tokens loaded from `tier` (or the predictions for a fixed ratio)."""

@@ -82,6 +82,19 @@ def measure(engine: Engine, store_dir: Path | None, costs: dict[str, float] | No
                 entry.layer(i)
             rates.append(sample.nbytes / (time.perf_counter() - t0))
         tiers["disk"] = TierProfile(statistics.median(rates), costs["disk"])
+    shared = engine.store.tier("redis")
+    if shared is not None and shared.put("profile-probe", sample):  # type: ignore[arg-type]
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            probe = shared.open("profile-probe")  # type: ignore[arg-type]
+            if probe is None:
+                break
+            for i in range(engine.cfg.num_layers):
+                probe.layer(i)
+            rates.append(sample.nbytes / (time.perf_counter() - t0))
+        if rates:
+            tiers["redis"] = TierProfile(statistics.median(rates), costs["redis"])
     return Profile(engine.fingerprint, platform.node(), int(kv_per_token), per_token, tiers)
 
 

@@ -62,23 +62,26 @@ def build(kb: KnowledgeBase, plan: PrefixPlan, progress: bool = False) -> BuildR
     hashes = cache.block_hashes(plan.ids, plan.salts)
     n_full = len(hashes) * bs
     t0 = time.perf_counter()
-    reused = cache.stored_blocks(hashes) * bs
-    loaded = reused == n_full
-    computed = 0
-    if loaded:  # stored already: read every block once, so the first question finds them in memory
-        with one_thread():
-            for h in hashes:
-                cache.store.pin(h)
-                cache.store.get(h)
-    else:
-        steps = list(range(reused + BUILD_STEP - reused % BUILD_STEP, n_full, BUILD_STEP)) + [n_full]
-        with tqdm(total=n_full - reused, desc=f"building {kb.name}/{plan.group}", unit="tok",
-                  disable=not progress) as bar:
-            for end in steps:
-                c = kb.engine.cache.precompute_prefix(plan.ids[:end], plan.salts, pin=True, hashes=hashes[: end // bs])
-                computed += c
-                bar.update(c)
-        cache.store.flush()
+    # Replicas sharing a Redis tier build a prefix once: the others wait for the lock, then find every
+    # block stored and only read them (a holder that dies frees the lock after its TTL).
+    with cache.store.exclusive(f"prefix:{hashes[-1]}" if hashes else "prefix:none"):
+        reused = cache.stored_blocks(hashes) * bs
+        loaded = reused == n_full
+        computed = 0
+        if loaded:  # stored already: read every block once, so the first question finds them in memory
+            with one_thread():
+                for h in hashes:
+                    cache.store.pin(h)
+                    cache.store.get(h)
+        else:
+            steps = list(range(reused + BUILD_STEP - reused % BUILD_STEP, n_full, BUILD_STEP)) + [n_full]
+            with tqdm(total=n_full - reused, desc=f"building {kb.name}/{plan.group}", unit="tok",
+                      disable=not progress) as bar:
+                for end in steps:
+                    c = cache.precompute_prefix(plan.ids[:end], plan.salts, pin=True, hashes=hashes[: end // bs])
+                    computed += c
+                    bar.update(c)
+            cache.store.flush()  # in every tier (Redis too) before the lock is released
     cfg = kb.engine.cfg
     per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * cache.kv_dtype.itemsize
     report = BuildReport(kb.name, plan.group, plan.tenant, plan.version, len(plan.ids), reused, computed,

@@ -33,9 +33,11 @@ class _StoreCollector:
                                      lambda t: t.corrupt, "counter"),
             "kvfuse_store_write_failures": ("writes a tier refused or failed (a full disk, say)",
                                             lambda t: t.stats.write_failures, "counter"),
+            "kvfuse_store_errors": ("calls a tier answered as misses because they failed (a Redis timeout or "
+                                    "refusal; the tier then backs off)", lambda t: t.stats.errors, "counter"),
             "kvfuse_store_bytes": ("bytes held by each KV store tier", lambda t: t.used_bytes, "gauge"),
             "kvfuse_store_capacity_bytes": ("each tier's byte budget", lambda t: t.capacity_bytes, "gauge"),
-            "kvfuse_store_tier_up": ("1 while a tier's last write succeeded (or none failed yet), else 0",
+            "kvfuse_store_tier_up": ("1 while a tier's last write (Redis: its last call) succeeded, else 0",
                                      lambda t: float(t.stats.last_write_ok), "gauge"),
         }
         for name, (doc, read, kind) in per_tier.items():

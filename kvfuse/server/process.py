@@ -1,4 +1,5 @@
-"""Run `kvfuse serve` as a child process on a free loopback port (for load tests and end-to-end tests)."""
+"""Run `kvfuse serve` as a child process on a free loopback port (for load tests, end-to-end tests and
+`kvfuse cluster up`)."""
 
 from __future__ import annotations
 
@@ -17,36 +18,54 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str = "kvfuse serve",
+                 path: str = "/health") -> None:
+    """Wait until GET url+path answers 200; RuntimeError if the process exits first or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not healthy on {url} within {startup_s:.0f} s")
+        time.sleep(0.25)
+
+
+def start_serve(args: Sequence[str], port: int, log: int | None = None) -> subprocess.Popen[bytes]:
+    """Start `kvfuse serve ARGS --port PORT` (not waiting for it)."""
+    return subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), *args],
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=log, stderr=log)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Terminate a child, killing it if it has not exited after grace_s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def serve_process(args: Sequence[str], startup_s: float = 300.0) -> Iterator[str]:
     """Start `kvfuse serve ARGS --port P` and yield its base URL once /health answers 200.
 
     Raises RuntimeError if the process exits or is not healthy within startup_s (model loading takes
     seconds); the process is terminated on exit either way."""
-    import httpx
-
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfuse", "serve", "--port", str(port), *args],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = start_serve(args, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvfuse serve exited with status {proc.returncode} before it was healthy")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvfuse serve was not healthy on {url} within {startup_s:.0f} s")
-            time.sleep(0.5)
+        wait_healthy(proc, url, startup_s)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

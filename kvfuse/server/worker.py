@@ -112,6 +112,11 @@ class Worker:
         """Requests waiting or running."""
         return self._depth
 
+    @property
+    def running(self) -> int:
+        """Requests decoding or starting now (read from another thread: a snapshot)."""
+        return len(self._running) + int(self._starting)
+
     def retry_after(self) -> int:
         """Seconds until a full queue likely has room: the usual time between two finished jobs (the
         measured service time, batching included), less the time since the last one finished."""

@@ -9,9 +9,10 @@ entry that fails verification mid-read raises `CorruptEntryError`, and the store
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvfuse.kv import KVCache
 from kvfuse.loader import LayerSource
@@ -32,7 +33,8 @@ class TierStats:
     misses: int = 0
     evictions: int = 0
     write_failures: int = 0  # writes that failed (a full disk that eviction could not make room on)
-    last_write_ok: bool = True  # the tier's health: its last write went through
+    errors: int = 0  # calls that failed and were answered as misses (a remote tier's timeout or refusal)
+    last_write_ok: bool = True  # the tier's health: its last write (a remote tier: its last call) went through
 
 
 class Tier(Protocol):
@@ -58,16 +60,38 @@ class Tier(Protocol):
     def drop_corrupt(self, key: CacheKey, why: str) -> None: ...
 
 
+@runtime_checkable
+class SharedLocks(Protocol):
+    """A tier shared by several processes that can also lock across them (Redis): `exclusive(name)`
+    holds a named lock while its block runs, waiting (bounded) for another holder; it yields whether
+    the lock is held (False: the tier is unavailable, so the caller goes on alone)."""
+
+    def exclusive(self, name: str) -> AbstractContextManager[bool]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """Where a shared tier lives: a URL (redis://HOST:PORT/DB, unix:///path), the namespace its keys
+    start with (two deployments or models can share one server), and the timeout of every call."""
+
+    url: str
+    namespace: str = "kvfuse:"
+    timeout_s: float = 0.2
+
+
 @dataclass(frozen=True, slots=True)
 class TierSettings:
-    """What a tier factory may need: its byte capacity, the store directory and the model fingerprint."""
+    """What a tier factory may need: its byte capacity, the store directory, the model fingerprint and,
+    for a shared tier, where it lives."""
 
     capacity_bytes: int
     root: Path | None = None
     model_fp: str | None = None
+    remote: Remote | None = None
 
 
-TierFactory = Callable[[TierSettings], "Tier | None"]  # None: not configured (disk without a directory)
+# None: not configured (disk without a directory, redis without a URL)
+TierFactory = Callable[[TierSettings], "Tier | None"]
 TIERS: dict[str, TierFactory] = {}
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from kvfuse.kv import KVCache
 from kvfuse.loader import LayerKV, LayerSource
-from kvfuse.store.base import Tier
+from kvfuse.store.base import SharedLocks, Tier
 from kvfuse.store.keys import CacheKey
 from kvfuse.store.memory import MemoryTier
 
@@ -144,6 +145,17 @@ class TieredStore:
     def unpin(self, key: CacheKey) -> None:
         for t in self.tiers:
             t.unpin(key)
+
+    @contextmanager
+    def exclusive(self, name: str) -> Iterator[bool]:
+        """Hold a lock shared by every process of the store's shared tier (Redis) while the block runs;
+        yields whether it is held. Without a shared tier there is no one to exclude: yields True."""
+        shared = next((t for t in self.tiers if isinstance(t, SharedLocks)), None)
+        if shared is None:
+            yield True
+            return
+        with shared.exclusive(name) as held:
+            yield held
 
     def flush(self) -> None:
         """Wait until every queued write-back has finished."""
