@@ -47,7 +47,14 @@ def test_profile_interpolates_and_round_trips() -> None:
     assert p.prefill_cost(10**7) > 0
     assert Profile.from_json(p.to_json()) == p
     with pytest.raises(ValueError, match="unknown tier 'tape'"):
-        Controller(p).decide(10, "tape")
+        Controller(Profile("m", "x", 10, {100: 0.002}, {})).decide(10, "tape")
+
+
+def test_a_tier_the_profile_lacks_is_predicted_as_the_slowest_measured() -> None:
+    tiers = {"memory": TierProfile(1e10, 4.0), "disk": TierProfile(1e8, 0.1)}
+    c = Controller(Profile("m", "x", 1000, {100: 0.002, 300: 0.001}, tiers))
+    assert c.decide(300, "redis").predicted_load_s == c.decide(300, "disk").predicted_load_s
+    assert c.decide(300, "redis").predicted_load_s > c.decide(300, "memory").predicted_load_s
 
 
 def test_engine_ratio_auto(tiny_models) -> None:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvfuse.eval",),
     ("kvfuse.kb",),
     ("kvfuse.runtime", "kvfuse.demo"),
-    ("kvfuse.server",),
+    ("kvfuse.server", "kvfuse.cluster"),
     ("kvfuse.cli", "kvfuse.__main__"),
 ]
 
