@@ -333,3 +333,33 @@ def test_a_dead_lock_holder_frees_the_build_after_its_ttl(tiny_models, redis_url
     t0 = time.perf_counter()
     report = kb.build("support")
     assert report.tokens_recomputed > 0 and 1.0 < time.perf_counter() - t0 < 10.0
+
+
+@slow
+def test_a_unix_socket_url_works(tmp_path) -> None:
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tier = RedisTier(f"unix://{sock}", "m")
+        c = _cache(5)
+        assert tier.put("k", c)  # type: ignore[arg-type]
+        got = tier.get("k")  # type: ignore[arg-type]
+        assert got is not None and torch.equal(got.k, c.k) and tier.stats.errors == 0
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def test_cluster_up_says_what_to_fix() -> None:
+    from kvfuse.cli.main import main
+
+    with pytest.raises(SystemExit, match="--redis URL .* or --start-redis"):
+        main(["cluster", "up", "--replicas", "2"])
+    with pytest.raises(SystemExit, match="--replicas must be at least 1"):
+        main(["cluster", "up", "--replicas", "0", "--start-redis"])
+    with pytest.raises(SystemExit, match="redis://HOST:PORT/DB"):
+        main(["cluster", "up", "--redis", "localhost:6379"])
