@@ -42,7 +42,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (..., cols) times the dequantised (rows, cols) weight, transposed -> (..., rows) in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= KERNEL_ROWS:
+    # torch's AVX-512 int8 kernel reads past a row whose length is not a multiple of 16 (a segfault on
+    # such CPUs; the AVX2 kernel does not); every real model's widths are, tiny test shapes may not be
+    if flat.shape[0] <= KERNEL_ROWS and q.shape[1] % 16 == 0:
         out = torch._weight_int8pack_mm(flat.to(ACT_DTYPE).contiguous(), q, scale).to(x.dtype)
     else:
         out = F.linear(flat, dequantize(q, scale, x.dtype))

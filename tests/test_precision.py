@@ -17,7 +17,7 @@ def _state_bytes(model: torch.nn.Module) -> int:
 
 def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 40, generator=g)
+    w = torch.randn(48, 48, generator=g)
     q, scale = quant.quantize_rows(w)
     monkeypatch.setattr(quant, "QUANT_ROWS", 7)  # in blocks of rows: the same result
     q7, scale7 = quant.quantize_rows(w)
@@ -25,22 +25,26 @@ def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ign
     deq = q.float() * scale.float()[:, None]
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert float((deq - w).abs().max()) <= float(scale.float().max()) / 2 + 1e-6  # rounding to nearest
-    lin = torch.nn.Linear(40, 48)
+    lin = torch.nn.Linear(48, 48)
     lin.weight.data = w
-    x = torch.randn(5, 40, generator=g)
+    x = torch.randn(5, 48, generator=g)
     layer = quant.Int8Linear(lin)
     got = layer(x)
     want = x.to(torch.bfloat16).float() @ deq.T + lin.bias  # the kernel reads its input in bfloat16
     assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=2**-7, atol=2**-6)
-    long = torch.randn(quant.KERNEL_ROWS + 1, 40, generator=g)  # a longer product dequantises: float32 exactly
+    long = torch.randn(quant.KERNEL_ROWS + 1, 48, generator=g)  # a longer product dequantises: float32 exactly
     assert torch.allclose(layer(long), long @ deq.T + lin.bias, rtol=1e-5, atol=1e-5)
-    emb = torch.nn.Embedding(48, 40)
+    emb = torch.nn.Embedding(48, 48)
     emb.weight.data = w
     table = quant.Int8Embedding(emb)
     ids = torch.tensor([3, 0, 47, 3])
     assert table(ids).dtype == torch.float32 and torch.allclose(table(ids), deq[ids], rtol=1e-6, atol=0)
     assert table.float().scale.dtype == quant.ACT_DTYPE  # casting the model keeps the kernel's scale dtype
     assert torch.allclose(table.linear(x).float(), x.to(torch.bfloat16).float() @ deq.T, rtol=2**-7, atol=2**-6)
+    odd = torch.nn.Linear(40, 48)  # rows of 40: past the AVX-512 kernel's reach, so dequantised, exactly
+    odd_layer = quant.Int8Linear(odd)
+    odd_deq = quant.dequantize(odd_layer.q, odd_layer.scale, torch.float32)
+    assert torch.allclose(odd_layer(x[:, :40]), x[:, :40] @ odd_deq.T + odd.bias, rtol=1e-5, atol=1e-5)
 
 
 def test_a_precision_is_part_of_the_fingerprint(tiny_models) -> None:
