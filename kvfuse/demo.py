@@ -15,15 +15,18 @@ GROUP = "support"
 def _show(a: Answer) -> None:
     print(f"  answer: {a.answer!r}")
     for c in a.citations:
+        verdict = "SUPPORTS the answer" if c.supports else "does NOT support the answer"
         if c.state == "retrieved":
-            print(f"  passage found by search (not quoted by the model, not checked against the answer) [{c.doc_id}]: "
-                  f"\"{c.quote}\"")
+            print(f"  passage found by search (not quoted by the model) [{c.doc_id}], {verdict}: \"{c.quote}\"")
         elif c.state == "verified":
-            print(f"  quote check: VERIFIED in {c.doc_id} at characters {c.start}-{c.end}: \"{c.quote}\"")
+            print(f"  quote check: EXISTS in {c.doc_id} at characters {c.start}-{c.end}, {verdict}: \"{c.quote}\"")
         elif c.state == "no_usable_quote":
             print("  quote check: the model gave no usable quote")
         else:
             print(f"  quote check: NOT FOUND in any source document: \"{c.quote}\"")
+    for x in a.conflicts:
+        print(f"  CONFLICT: {x.doc_id} states {x.found}, not {x.stated}, at characters {x.start}-{x.end}: "
+              f"\"{x.quote}\"")
     t = a.tokens
     print(f"  TTFT {a.ttft_s * 1000:.0f} ms; prompt {t['prompt']} tokens, {t['cached']} from the cache, "
           f"{t['computed']} computed; cached-token share {a.cached_token_share:.1%}")
@@ -71,4 +74,5 @@ def run_demo(model: str | None = None, store: str | None = None, precision: str 
     _show(kb.ask(TICKET_QUESTION, GROUP, chunks=[h.chunk for h in hits]))
     engine.store.flush()
     print("\nRun it again: the second run loads the persisted cache instead of rebuilding it.")
+    print("Ask it in a browser: run `kvfuse serve --kb albaran`, then open http://127.0.0.1:8000/")
     return 0

@@ -211,6 +211,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     print(answer.answer)
     for c in answer.citations:
         print(f"  {citation_line(c)}")
+    for x in answer.conflicts:
+        print(f'  CONFLICT: {x.doc_id} states {x.found}, not {x.stated}: "{x.quote}"')
     if answer.finish_reason == "length":
         print(f"  (the answer reached --max-tokens {args.max_tokens} and may be cut short)", file=sys.stderr)
     print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
@@ -221,9 +223,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
 def citation_line(c: Any) -> str:
     """One citation as a person reads it: what it is, then the text."""
     where = f", {c.doc_id}" if c.doc_id else ""
-    label = {"verified": f"quote (verified{where})", "not_found": "quote (NOT FOUND in the sources)",
+    verdict = "supports the answer" if c.supports else "does not support the answer"
+    label = {"verified": f"quote (verified{where}; {verdict})", "not_found": "quote (NOT FOUND in the sources)",
              "no_usable_quote": "no usable quote from the model",
-             "retrieved": f"passage found by search, not checked against the answer{where}"}.get(c.state, c.state)
+             "retrieved": f"passage found by search{where}; {verdict}"}.get(c.state, c.state)
     return f'{label}: "{c.quote}"' if c.quote else label
 
 

@@ -8,7 +8,10 @@ prepare  a question (or a server's own suffix ids) against a group's prefix plan
 warm     builds the prefix if some block is missing and precomputes the chunk caches (the server does
          this as a barrier job, never inside a running batch); returns the tokens written.
 ask      prepare, warm, answer from the cached prefix, cite, finish.
-cite     verifies the model's quotes against the sources, else a sentence found by search, labelled so.
+cite     verifies the model's quotes against the sources, else a sentence found by search, labelled so;
+         judges whether each one supports the answer (`kb.facts`).
+review   cite, and the conflicts: passages that state another value of a quantity the answer states
+         (`kb.conflicts`).
 finish   token accounting, cost, and the group's cumulative usage.
 """
 
@@ -20,9 +23,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.fuse.registry import DEFAULT_MODE
+from kvfuse.kb.conflicts import Conflict, conflicts_for
 from kvfuse.kb.manifest import Document, KBError
 from kvfuse.kb.prefix import PrefixPlan
-from kvfuse.kb.quotes import Citation, find_quote, looping, no_usable_quote, sentence_around, usable
+from kvfuse.kb.quotes import Citation, find_quote, judge, looping, no_usable_quote, sentence_around, usable
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import OPEN_END, Generation, Ratio, Request, Salt, SaltSpan
 from kvfuse.sampling import SamplingParams
@@ -57,10 +61,12 @@ class Answer:
     finish_reason: str = "stop"  # "length": the answer hit max_tokens and may be cut short
     ratio: float | None = None
     fuser: str = ""  # the mode with its options (`fuse.spec_of`), e.g. queryaware:behind=self
+    conflicts: list[Conflict] = field(default_factory=list)  # passages that state another value (kb.conflicts)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["citations"] = [c.as_dict() for c in self.citations]
+        out["conflicts"] = [c.as_dict() for c in self.conflicts]
         out.pop("ratio")  # not part of `ask --json`'s contract (the server reports it under kvfuse.ratio)
         return out
 
@@ -154,8 +160,14 @@ def ask(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
     stream = kb.engine.stream(prep.request, prep.mode, prep.ratio, SamplingParams(max_tokens=max_tokens))
     done = complete_answer(stream, kb.tok)
     assert stream.result is not None
-    citations = cite(kb, prep, done.text, ask_model=True) if quote else []
-    return finish(kb, prep, done.text, stream.result, citations, written, stopped=done.stopped)
+    citations, conflicts = review(kb, prep, done.text, ask_model=quote)
+    return finish(kb, prep, done.text, stream.result, citations, written, stopped=done.stopped, conflicts=conflicts)
+
+
+def review(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> tuple[list[Citation],
+                                                                                             list[Conflict]]:
+    """A finished answer's citations (each judged: does it support the answer?) and its conflicts."""
+    return cite(kb, prep, answer, ask_model), conflicts_for(kb, prep.plan.group, prep.question, answer)
 
 
 def cite(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> list[Citation]:
@@ -167,7 +179,9 @@ def cite(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True)
         found = [quote_citation(_model_quote(kb, prep, answer), prep.sources)] if answer else []
     else:
         found = [find_quote(q, prep.sources) for q in re.findall(r"[\"“]([^\"”]+)[\"”]", answer) if usable(q)]
-    return with_support(found, prep.sources, f"{prep.question} {answer}", only_verified=ask_model)
+    sources = prep.sources
+    return [judge(c, answer, sources) for c in with_support(found, sources, f"{prep.question} {answer}",
+                                                                only_verified=ask_model)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +252,7 @@ def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:
 
 
 def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, citations: list[Citation],
-           written: int = 0, built: int = 0, stopped: bool = False) -> Answer:
+           written: int = 0, built: int = 0, stopped: bool = False, conflicts: Sequence[Conflict] = ()) -> Answer:
     """Token accounting, cost and the cumulative cached share of a finished answer. `built` prefix tokens
     were computed for this very request (a cold build), so they count as computed, not cached; `stopped`
     says a stop string ended the text (else the engine's finish reason stands)."""
@@ -252,5 +266,5 @@ def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, cit
         kb.costs.request(written, cached, computed), citations, prep.plan.group, prep.plan.version, prep.mode,
         round(cumulative, 4), [ch.doc_id for ch in prep.passages],
         result.controller.as_dict() if result.controller is not None else None, c.recomputed,
-        "stop" if stopped else result.finish_reason, result.ratio, result.fuser,
+        "stop" if stopped else result.finish_reason, result.ratio, result.fuser, list(conflicts),
     )

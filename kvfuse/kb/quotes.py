@@ -9,6 +9,10 @@ Every citation has a `state`:
                      within a sentence's length, or a loop that repeats itself
     retrieved        a sentence found by search (source="retrieval"), not a quote by the model: it is
                      where the facts may be, not evidence that the answer is right (verified=False)
+
+and, apart from its state, `supports`: the passage carries the answer's content (`kb.facts.supports`,
+checked against the document's title and the sentence the quote sits in). A verified quote that does not
+support the answer exists, and says nothing for it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Citation:
     end: int | None
     source: str = "model"  # "model": quoted by the model; "retrieval": a supporting passage found by search
     state: str = "not_found"  # verified, not_found, no_usable_quote or retrieved (see the module docstring)
+    supports: bool = False  # the passage carries the answer's content (see the module docstring)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -115,3 +120,20 @@ def sentence_around(doc: Document, start: int, end: int) -> Citation:
     while e > s and text[e - 1].isspace():
         e -= 1
     return Citation(doc.id, text[s:e], False, s, e, source="retrieval", state="retrieved")
+
+
+def support_context(doc: Document, start: int, end: int) -> str:
+    """What a citation is checked against: its document's title and the sentence(s) the span sits in."""
+    return f"{doc.title}. {sentence_around(doc, start, end).quote}"
+
+
+def judge(citation: Citation, answer: str, docs: Sequence[Document]) -> Citation:
+    """The citation with `supports` set: whether the passage it points at carries the answer's content."""
+    from dataclasses import replace
+
+    from kvfuse.kb.facts import supports
+
+    doc = next((d for d in docs if d.id == citation.doc_id), None)
+    if doc is None or citation.start is None or citation.end is None:
+        return replace(citation, supports=False)
+    return replace(citation, supports=supports(answer, support_context(doc, citation.start, citation.end)))

@@ -52,7 +52,9 @@ class Outcome:
                 "recomputed_tokens": c.recomputed, "kb_build_s": round(self.build_s, 6),
                 "cached_token_share": round(self.cached / c.prompt, 4) if c.prompt else 0.0,
                 "controller": r.controller.as_dict() if r.controller is not None else None,
-                "citations": [x.as_dict() for x in self.citations], "kb": p.kb.name if p.kb else None,
+                "citations": [x.as_dict() for x in self.citations],
+                "conflicts": [x.as_dict() for x in self.answer.conflicts] if self.answer else [],
+                "kb": p.kb.name if p.kb else None,
                 "group": p.prep.plan.group if p.prep else None}
 
 
@@ -107,14 +109,15 @@ class Generating:
             self._out(self.deltas.flush())
         text = "".join(self.pieces)
         citations: list[Citation] = []
+        conflicts: list[answer.Conflict] = []
         done: answer.Answer | None = None
         if p.kb is not None and p.prep is not None:
             if not cancelled:
                 try:
-                    citations = answer.cite(p.kb, p.prep, text, ask_model=p.opts.quote)
-                except Exception:  # a failed citation must not cost the answer
-                    log.exception("citations failed")
-            done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built)
+                    citations, conflicts = answer.review(p.kb, p.prep, text, ask_model=p.opts.quote)
+                except Exception:  # a failed check must not cost the answer
+                    log.exception("citations or conflicts failed")
+            done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built, conflicts=conflicts)
         out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s,
                       self.first_at - p.arrived, self.started - p.arrived)
         c = result.counts

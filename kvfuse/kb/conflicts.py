@@ -1,0 +1,120 @@
+"""Conflicts: when an answer states a quantity, passages of the knowledge base relevant to the question
+that state a different number in the same unit.
+
+The knowledge base's readable documents are searched with the hybrid retriever (BM25 and dense, fused
+by reciprocal rank), each passage headed by its document's title as the seed recommends. In the
+`PASSAGES` best passages for the question, every sentence that states a quantity of the answer's unit
+family is ranked by the dense similarity of "title. sentence" to the question. A sentence that states
+another value, and none with the answer's own, conflicts when it is closer to the question than every
+sentence that states the answer's value: the knowledge base's most relevant statement of that quantity
+disagrees with the answer. The best `PER_QUANTITY` are returned for each quantity of the answer. So
+"14 days" on the Team refund question is flagged by Team terms' "30 calendar days", which is closer to
+the question than the FAQ's general "14 days"; "60 days" for how long a closed Team workspace stays
+readable is not flagged by the nearby "30 days", because its own "read-only for 60 days" is closer.
+
+It is a flag for the reader, not a verdict: the passage may be about something else that is counted in
+the same unit (measured on the 62 Albarán questions in docs/benchmarks.md, issue J).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from kvfuse.kb.facts import Quantity, quantities
+
+if TYPE_CHECKING:
+    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.kb.manifest import Document
+    from kvfuse.rag.index import Index
+
+PASSAGES = 3  # the passages searched for a conflicting number
+PER_QUANTITY = 1  # conflicts reported for each quantity the answer states
+_INDEXES: dict[str, Index] = {}  # by the documents' digest: built once per knowledge-base version
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    doc_id: str
+    quote: str  # the sentence that states the other number
+    start: int  # character offsets into the document's text, end exclusive
+    end: int
+    stated: str  # the answer's quantity it contradicts ("14 days")
+    found: str  # the passage's ("30 days")
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _sentences(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence or line of text."""
+    out = []
+    for m in re.finditer(r"[^\n.!?]+(?:[.!?](?=\s|$)|$)?", text):
+        s, e = m.start(), m.end()
+        while s < e and text[s].isspace():
+            s += 1
+        if e - s > 3:
+            out.append((s, e))
+    return out
+
+
+def kb_index(docs: Sequence[Document], tok: object) -> Index:
+    """A hybrid index over the documents (built once for each set of texts, kept in memory)."""
+    from kvfuse.rag.index import Index, SourceDoc
+
+    digest = hashlib.sha256("\0".join(f"{d.id}\0{d.title}\0{d.text}" for d in docs).encode()).hexdigest()
+    with _LOCK:
+        if digest not in _INDEXES:
+            _INDEXES[digest] = Index.build([SourceDoc(d.id, d.title, d.text, ()) for d in docs], tok,  # type: ignore[arg-type]
+                                           chunk_tokens=128, overlap=16)
+        return _INDEXES[digest]
+
+
+def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer: str) -> list[Conflict]:
+    """Sentences of the documents relevant to the question that state another value of a quantity the
+    answer states (see the module docstring); [] when the answer states none."""
+    from kvfuse.rag.dense import embed
+
+    stated = quantities(answer)
+    if not stated or not docs:
+        return []
+    index = kb_index(docs, tok)
+    by_id = {d.id: d for d in docs}
+    # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, agrees)
+    found: list[tuple[Quantity, Document, int, int, Quantity, bool]] = []
+    seen: set[tuple[str, int, int]] = set()
+    for hit in index.search(question, PASSAGES, "hybrid"):
+        doc = by_id[hit.chunk.doc_id]
+        for s, e in _sentences(doc.text):  # whole sentences of the document that overlap the passage
+            if e <= hit.chunk.start or s >= hit.chunk.end or (doc.id, s, e) in seen:
+                continue
+            seen.add((doc.id, s, e))
+            stated_here = quantities(doc.text[s:e])
+            for q in stated:
+                same_unit = [f for f in stated_here if f.unit == q.unit]
+                if same_unit:
+                    agree = any(f.value == q.value for f in same_unit)
+                    other = next((f for f in same_unit if f.value != q.value), same_unit[0])
+                    found.append((q, doc, s, e, other, agree))
+    if not any(not agree for *_, agree in found):
+        return []
+    vecs = embed([question] + [f"{d.title}. {d.text[s:e]}" for _, d, s, e, _, _ in found])
+    sims = vecs[1:] @ vecs[0] / ((vecs[1:] ** 2).sum(1) ** 0.5 * float((vecs[0] ** 2).sum() ** 0.5) + 1e-9)
+    out: list[Conflict] = []
+    for q in stated:
+        mine = sorted((i for i, c in enumerate(found) if c[0] is q), key=lambda i: -float(sims[i]))
+        best_agreeing = max((float(sims[i]) for i in mine if found[i][5]), default=-1.0)
+        for i in [i for i in mine if not found[i][5] and float(sims[i]) > best_agreeing][:PER_QUANTITY]:
+            _, d, s, e, f, _ = found[i]
+            out.append(Conflict(d.id, d.text[s:e], s, e, str(q), str(f)))
+    return out
+
+
+def conflicts_for(kb: KnowledgeBase, group: str, question: str, answer: str) -> list[Conflict]:
+    """find_conflicts over the documents the group may read."""
+    return find_conflicts(kb.manifest.readable(group), kb.tok, question, answer)
