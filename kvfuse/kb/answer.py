@@ -260,10 +260,11 @@ def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, cit
     cached = max(0, c.cached - built)
     computed = c.prompt - cached
     share = cached / c.prompt if c.prompt else 0.0
-    cumulative = kb.usage_log.add(prep.plan.group, c.prompt, cached)
+    cost = kb.costs.request(written, cached, computed)
+    cumulative = kb.usage_log.add(prep.plan.group, c.prompt, cached, cost["total"])
     return Answer(
         text, result.ttft_s, {"prompt": c.prompt, "cached": cached, "computed": computed}, round(share, 4),
-        kb.costs.request(written, cached, computed), citations, prep.plan.group, prep.plan.version, prep.mode,
+        cost, citations, prep.plan.group, prep.plan.version, prep.mode,
         round(cumulative, 4), [ch.doc_id for ch in prep.passages],
         result.controller.as_dict() if result.controller is not None else None, c.recomputed,
         "stop" if stopped else result.finish_reason, result.ratio, result.fuser, list(conflicts),

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,9 @@ def build_record_path(state_dir: Path, kb: str, group: str, tenant: str | None) 
     return kb_state_dir(state_dir, kb) / f"{who}.json"
 
 
+HISTORY = 500  # requests whose cumulative cached share is kept per group
+
+
 class Usage:
     """Cumulative prompt and cached tokens per group: in a state file, or in memory without a state dir."""
 
@@ -40,14 +44,18 @@ class Usage:
         self._mem: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def add(self, group: str, prompt: int, cached: int) -> float:
-        """Count a request; returns the group's cumulative cached-token share."""
+    def add(self, group: str, prompt: int, cached: int, cost_units: float = 0.0) -> float:
+        """Count a request (and its cost units); returns the group's cumulative cached-token share. The
+        last HISTORY requests' (time, cumulative share) are kept, for the page's chart."""
         def add(usage: dict[str, Any]) -> float:
             g = usage.setdefault(group, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
             g["requests"] += 1
             g["prompt_tokens"] += prompt
             g["cached_tokens"] += cached
-            return g["cached_tokens"] / g["prompt_tokens"] if g["prompt_tokens"] else 0.0
+            g["cost_units"] = round(g.get("cost_units", 0.0) + cost_units, 3)
+            share = g["cached_tokens"] / g["prompt_tokens"] if g["prompt_tokens"] else 0.0
+            g["history"] = [*g.get("history", [])[-(HISTORY - 1):], [round(time.time(), 3), round(share, 4)]]
+            return share  # type: ignore[no-any-return]
 
         if self.path is None:
             with self._lock:

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from kvfuse.server.bodylimit import BodyLimit
 from kvfuse.server.errors import ApiError, install_handlers
 from kvfuse.server.metrics import CountResponses
-from kvfuse.server.routes import kb, openai, ops, replica
+from kvfuse.server.routes import kb, openai, ops, page, replica
 from kvfuse.server.state import Limits, ServerState
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -39,7 +39,7 @@ def create_app(state: ServerState) -> FastAPI:
                                      "chunk fusion.")
     app.state.kvfuse = state
     install_handlers(app)
-    for module in (ops, openai, kb, replica):
+    for module in (ops, openai, kb, replica, page):
         app.include_router(module.router(state))
     app.add_middleware(BodyLimit, max_bytes=state.limits.body_limit(state.engine.cfg.max_position_embeddings))
     # added last, so outermost: it counts the body limit's 413s too

@@ -54,6 +54,7 @@ class Outcome:
                 "controller": r.controller.as_dict() if r.controller is not None else None,
                 "citations": [x.as_dict() for x in self.citations],
                 "conflicts": [x.as_dict() for x in self.answer.conflicts] if self.answer else [],
+                "cost_units": self.answer.cost_units if self.answer else None,
                 "kb": p.kb.name if p.kb else None,
                 "group": p.prep.plan.group if p.prep else None}
 

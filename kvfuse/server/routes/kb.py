@@ -18,6 +18,7 @@ from kvfuse.server.state import ServerState
 from kvfuse.server.worker import QueueFull
 
 log = logging.getLogger(__name__)
+RAG_TOKENS = 2000  # a RAG question's prompt: four 500-token chunks (the seed's comparison, `kvfuse kb stats`)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -92,8 +93,32 @@ def router(state: ServerState) -> APIRouter:
                                                                                                      d.id))
                             if d.id in readable]
         usage = kb.usage()
-        out["usage"] = {g: usage[g] for g in groups if g in usage}
+        out["usage"] = {g: _usage(kb, g, usage[g]) for g in groups if g in usage}
         return out
+
+    @r.get("/v1/kb/{name}/documents/{doc_id}")
+    async def get_document(name: str, doc_id: str, request: Request) -> dict[str, Any]:
+        principal = state.principal(request)
+        kb = state.kb_for(name, principal)
+        allowed = principal.groups_for(name)
+        doc = next((d for d in kb.manifest.documents if d.id == doc_id), None)
+        if doc is None or (allowed is not None and not set(doc.groups) & set(allowed)):
+            raise ApiError(404, f"No document {doc_id!r} in knowledge base {name!r} that this key may read.",
+                           "not_found_error", param="doc_id", code="document_not_found")
+        return {"id": doc.id, "title": doc.title, "text": doc.text, "stability": doc.stability,
+                "groups": list(doc.groups), "shared": doc.shared}
+
+    @r.get("/v1/me")
+    async def me(request: Request) -> dict[str, Any]:
+        """What this key may do: its tenant, whether it may edit, and the knowledge bases and groups it reads."""
+        principal = state.principal(request)
+        kbs = {}
+        for name, kb in state.kbs.items():
+            allowed = principal.groups_for(name)
+            groups = [g for g in kb.manifest.groups if allowed is None or g in allowed]
+            if groups:
+                kbs[name] = sorted(groups, key=lambda g: allowed.index(g) if allowed else 0)
+        return {"tenant": principal.tenant, "admin": principal.admin, "kbs": kbs, "model": state.model_id}
 
     return r
 
@@ -138,6 +163,13 @@ def _queue(state: ServerState, fn: Any) -> int:
     except QueueFull:
         return 0
     return 1
+
+
+def _usage(kb: KnowledgeBase, group: str, used: dict[str, Any]) -> dict[str, Any]:
+    """A group's usage with what the same questions would have cost without a cache (every prompt token
+    computed) and with RAG (`RAG_TOKENS` computed per question), in the same cost units."""
+    return {**used, "no_cache_units": round(used.get("prompt_tokens", 0) * kb.costs.uncached, 3),
+            "rag_units": round(used.get("requests", 0) * RAG_TOKENS * kb.costs.uncached, 3)}
 
 
 def _editable(kb: KnowledgeBase, doc_id: str, allowed: tuple[str, ...] | None) -> Document | None:
