@@ -63,6 +63,16 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
+    if kbs:  # the conflict check's indexes, built beside the start rather than inside the first answer
+        import threading
+
+        from kvfuse.kb.conflicts import warm
+
+        def warm_all() -> None:
+            for kb in kbs.values():
+                warm(kb)
+
+        threading.Thread(target=warm_all, name="kvfuse-warm-conflicts", daemon=True).start()
     limits = Limits(args.max_documents, args.max_document_tokens, args.max_queue, args.max_batch,
                     args.max_itl_factor, args.max_body_bytes, args.metrics_public)
     return ServerState(rt.engine, rt.tok, rt.model_id, kbs, keys, limits)

@@ -115,6 +115,12 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
     return out
 
 
+def warm(kb: KnowledgeBase) -> None:
+    """Build every group's index (and load the embedding model) ahead of the first answer that needs it."""
+    for group in kb.manifest.groups:
+        kb_index(kb.manifest.readable(group), kb.tok)
+
+
 def conflicts_for(kb: KnowledgeBase, group: str, question: str, answer: str) -> list[Conflict]:
     """find_conflicts over the documents the group may read."""
     return find_conflicts(kb.manifest.readable(group), kb.tok, question, answer)
