@@ -78,18 +78,22 @@ def test_the_page_on_the_real_model_flags_the_demo_conflict(server) -> None:
         answer = page.inner_text(".turn .answer")
         assert answer.strip() and float(page.get_attribute(".turn", "data-first-char-ms") or "nan") > 0
         assert page.locator(".turn .cite").count() >= 1
+        page.fill("#question", "And on a monthly plan?")  # a follow-up: the first turn is read from the cache
+        page.click("#ask")
+        page.wait_for_function("document.querySelectorAll('.turn .meta').length == 2 && document.querySelectorAll("
+                               "'.turn')[1].querySelector('.meta').textContent.includes('TTFT')", timeout=300_000)
+        follow_up = page.locator(".turn").nth(1).locator(".meta").inner_text()
+        assert float(follow_up.split("cached ")[1].split("%")[0]) > 90
+        page.screenshot(path=str(shots / "ask.png"), full_page=True)
         if "14 days" in answer:  # the seed's failure: it must be flagged
-            conflict = page.locator(".turn .conflict")
+            conflict = page.locator(".turn").first.locator(".conflict")
             assert conflict.count() >= 1 and "team-terms" in conflict.first.inner_text()
             assert "30 calendar days" in conflict.first.inner_text()
-            page.screenshot(path=str(shots / "ask.png"), full_page=True)
             conflict.first.locator("a").click()
             page.wait_for_selector("#viewer:not([hidden]) mark.other")
             assert "30 calendar days" in page.inner_text("#viewer mark")
             page.screenshot(path=str(shots / "conflict.png"))
             page.click("#viewer-close")
-        else:
-            page.screenshot(path=str(shots / "ask.png"), full_page=True)
         page.click(".tab[data-tab=docs]")
         page.wait_for_selector("#doc-list tr.doc")
         page.click("#doc-list tr.doc[data-id=team-terms]")

@@ -74,7 +74,7 @@ class Generating:
             prep = answer.refresh(p.kb, p.prep)
             p = replace(p, prep=prep, request=prep.request)
         self.p = p
-        self.deltas = TextDeltas(state.tok, p.stops)
+        self.deltas = TextDeltas(state.tok, p.stops, lead_in=p.opts.question is not None)  # as `kvfuse ask`
         self.pieces: list[str] = []
         self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause)
         self.first_at = time.perf_counter()

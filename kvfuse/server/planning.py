@@ -84,6 +84,8 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
             raise ApiError(400, str(e), param="kb") from None
     elif opts.group is not None:
         raise ApiError(400, "kvfuse.group applies only with a kb.", param="kvfuse.group")
+    elif opts.question is not None:
+        raise ApiError(400, "kvfuse.question applies only with a kb.", param="kvfuse.question")
     stop_ids = list(eng.cfg.eos_token_ids)
     if chat:
         assert isinstance(body, ChatCompletionRequest)
@@ -133,6 +135,8 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
                                 frequency_penalty=body.frequency_penalty or 0.0)
     except (RequestError, ModeUnavailableError, KBError, ValueError) as e:
         raise ApiError(400, str(e), param="kvfuse") from None
+    if opts.question is not None:
+        question = opts.question
     if opts.quote and (kb is None or not question.strip()):
         raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
     stops = body.stops() + (list(state.chat.stop_strings) if chat else [])

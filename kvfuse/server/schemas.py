@@ -62,6 +62,9 @@ class KvfuseOptions(Body):
     ratio: float | Literal["auto"] | None = None
     group: str | None = None  # which of the caller's groups reads the knowledge base
     quote: bool = False  # ask the model for a verbatim quote and verify it (a second, cached request)
+    # with a kb: the question the prompt asks, for the citations and conflicts; the answer is then read
+    # as `kvfuse ask` reads it (a newline before its first visible character is a lead-in, not a stop)
+    question: str | None = Field(default=None, max_length=4096)
 
     @field_validator("ratio")
     @classmethod

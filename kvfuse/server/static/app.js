@@ -108,7 +108,10 @@ async function ask(question) {
   turn.append(answer, meta);
   $("conversation").append(turn);
   $("ask").disabled = true;
-  const messages = [...state.messages, { role: "user", content: question }];
+  // the knowledge base's own layout, as `kvfuse ask` asks: the conversation so far, then the question;
+  // the earlier turns follow the cached prefix, so they are read from the cache too
+  const prompt = state.messages.map(([q, a]) => `Question: ${q}\nAnswer: ${a}\n`).join("")
+    + `Question: ${question.split(/\s+/).join(" ")}\nAnswer:`;
   const sent = performance.now();
   let text = "", final = null;
   const slow = setTimeout(() => {  // a cold knowledge base is built before its first answer
@@ -116,10 +119,10 @@ async function ask(question) {
       + "first: that can take a minute)";
   }, 2000);
   try {
-    const r = await api("/v1/chat/completions", {
+    const r = await api("/v1/completions", {
       method: "POST",
-      body: JSON.stringify({ messages, kb: $("kb").value, stream: true, max_tokens: 48, temperature: 0,
-                             kvfuse: { group: $("group").value, quote: true } }),
+      body: JSON.stringify({ prompt, kb: $("kb").value, stream: true, max_tokens: 48, temperature: 0, stop: ["\n"],
+                             kvfuse: { group: $("group").value, quote: true, question } }),
     });
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
@@ -135,11 +138,11 @@ async function ask(question) {
         if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
         const event = JSON.parse(line.slice(6));
         if (event.error) throw new ApiError(500, event.error.message);
-        const delta = event.choices && event.choices[0] && event.choices[0].delta;
-        if (delta && delta.content) {
-          if (!text) turn.dataset.firstCharMs = (performance.now() - sent).toFixed(1);
-          text += delta.content;
-          answer.textContent = text;
+        const delta = event.choices && event.choices[0] ? event.choices[0].text : "";
+        if (delta) {
+          if (!text.trim() && delta.trim()) turn.dataset.firstCharMs = (performance.now() - sent).toFixed(1);
+          text += delta;
+          answer.textContent = text.trim();
         }
         if (event.kvfuse) final = event.kvfuse;
       }
@@ -153,7 +156,7 @@ async function ask(question) {
   }
   clearTimeout(slow);
   $("ask").disabled = false;
-  state.messages = [...messages, { role: "assistant", content: text }];
+  state.messages = [...state.messages, [question.split(/\s+/).join(" "), text.trim()]];
   if (!final) return;
   turn.dataset.ttftS = final.ttft_s;
   turn.dataset.clientTtftS = final.client_ttft_s;
