@@ -28,8 +28,14 @@ def test_build_ask_and_reload_in_a_second_process(real_store, capsys) -> None:
     assert a["tokens"]["cached"] == built["tokens_total"] // 16 * 16 and a["cached_token_share"] > 0.99
     assert set(a["cost_units"]) == {"write", "read", "uncached", "total"} and a["cost_units"]["write"] == 0
     assert a["finish_reason"] in ("stop", "length") and a["answer"]  # the answer is never cut to nothing
+    assert isinstance(a["conflicts"], list)
+    if "14 days" in a["answer"]:  # the seed's failure: Team terms' 30 calendar days must be flagged
+        assert any(x["doc_id"] == "team-terms" and "30 calendar days" in x["quote"] for x in a["conflicts"])
+    for x in a["conflicts"]:
+        assert set(x) == {"doc_id", "quote", "start", "end", "stated", "found"}
     for c in a["citations"]:
-        assert set(c) >= {"doc_id", "quote", "verified", "start", "end", "state"}
+        assert set(c) >= {"doc_id", "quote", "verified", "start", "end", "state", "supports"}
+        assert isinstance(c["supports"], bool) and (c["doc_id"] is not None or not c["supports"])
         assert c["verified"] == (c["state"] == "verified")  # a passage found by search is never "verified"
         if c["verified"]:  # a verified quote is really in that document, at those offsets
             from kvfuse.kb.manifest import load_manifest
@@ -77,3 +83,18 @@ def test_compare_on_two_questions(real_store, tmp_path, capsys) -> None:
                     assert c["doc_id"] in retrieved  # a RAG answer is cited from its own chunks
     for m in res["methods"].values():
         assert set(m["citations"]) == states and m["empty_answers"] >= 0
+
+
+def test_the_demo_prints_the_checks_and_how_to_open_the_page(real_store, capsys) -> None:
+    from kvfuse.cli.main import main
+
+    assert main(["demo", "--store", str(real_store)]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert "kvfuse serve --kb albaran" in lines[-1] and "http://127.0.0.1:8000/" in lines[-1]
+    located = [ln for ln in lines if "quote check: EXISTS in" in ln or "passage found by search" in ln]
+    assert located  # each citation that points into a document says whether it supports the answer
+    assert all("SUPPORTS the answer" in ln or "does NOT support the answer" in ln for ln in located)
+    first = lines[next(i for i, ln in enumerate(lines) if ln.strip().startswith("answer:"))]
+    if "14 days" in first:
+        assert any(ln.strip().startswith("CONFLICT: team-terms states 30 days, not 14 days") for ln in lines)
