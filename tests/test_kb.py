@@ -216,14 +216,17 @@ def test_concurrent_usage_updates_lose_nothing(kb) -> None:
     plan = kb.plan("support")
     def add() -> None:
         for _ in range(20):
-            kb.usage_log.add(plan.group, 10, 9)
+            kb.usage_log.add(plan.group, 10, 9, 1.5)
 
     threads = [threading.Thread(target=add) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert kb.usage()["support"] == {"requests": 80, "prompt_tokens": 800, "cached_tokens": 720}
+    used = kb.usage()["support"]
+    assert {k: used[k] for k in ("requests", "prompt_tokens", "cached_tokens", "cost_units")} == {
+        "requests": 80, "prompt_tokens": 800, "cached_tokens": 720, "cost_units": 120.0}
+    assert len(used["history"]) == 80 and all(share == 0.9 for _, share in used["history"])
 
 
 def test_over_long_prefix_is_refused(kb, tmp_path) -> None:
