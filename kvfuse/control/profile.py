@@ -46,6 +46,7 @@ def measure(engine: Engine, store_dir: Path | None, costs: dict[str, float] | No
             lengths: tuple[int, ...] = (256, 1024, 2048)) -> Profile:
     """Time full prefills at a few lengths and a read of a KV cache from each tier."""
     from kvfuse import fuse
+    from kvfuse.store.base import CorruptEntryError
     from kvfuse.store.disk import DiskTier
 
     costs = {**DEFAULT_COST_PER_GB, **(costs or {})}
@@ -90,8 +91,11 @@ def measure(engine: Engine, store_dir: Path | None, costs: dict[str, float] | No
             probe = shared.open("profile-probe")  # type: ignore[arg-type]
             if probe is None:
                 break
-            for i in range(engine.cfg.num_layers):
-                probe.layer(i)
+            try:
+                for i in range(engine.cfg.num_layers):
+                    probe.layer(i)
+            except CorruptEntryError:  # Redis went away mid-read: no rate measured
+                break
             rates.append(sample.nbytes / (time.perf_counter() - t0))
         if rates:
             tiers["redis"] = TierProfile(statistics.median(rates), costs["redis"])

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 PASSAGES = 3  # the passages searched for a conflicting number
 PER_QUANTITY = 1  # conflicts reported for each quantity the answer states
+INDEXES_KEPT = 16  # indexes kept in memory (one per group and knowledge-base version), oldest dropped first
 _INDEXES: dict[str, Index] = {}  # by the documents' digest: built once per knowledge-base version
 _LOCK = threading.Lock()
 
@@ -72,6 +73,8 @@ def kb_index(docs: Sequence[Document], tok: object) -> Index:
         if digest not in _INDEXES:
             _INDEXES[digest] = Index.build([SourceDoc(d.id, d.title, d.text, ()) for d in docs], tok,  # type: ignore[arg-type]
                                            chunk_tokens=128, overlap=16)
+            while len(_INDEXES) > INDEXES_KEPT:  # edits make new versions: the oldest go
+                _INDEXES.pop(next(iter(_INDEXES)))
         return _INDEXES[digest]
 
 

@@ -103,6 +103,8 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         ids, question = _prompt_ids(body, tok)
         after, suffix = ([], ids) if chunks else (ids[:-1], ids[-1:])  # automatic prefix caching of the prompt
         default_max = COMPLETION_DEFAULT_MAX_TOKENS
+    if opts.question is not None:  # the question the prompt asks: what the citations and conflicts read
+        question = opts.question
     mode = opts.mode or (DEFAULT_MODE if chunks else "prefix")
     if opts.ratio is not None and not eng.fuser(mode).takes_ratio:
         raise ApiError(400, f"kvfuse.ratio applies only to mode 'blend' (or another mode that recomputes a share "
@@ -135,8 +137,6 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
                                 frequency_penalty=body.frequency_penalty or 0.0)
     except (RequestError, ModeUnavailableError, KBError, ValueError) as e:
         raise ApiError(400, str(e), param="kvfuse") from None
-    if opts.question is not None:
-        question = opts.question
     if opts.quote and (kb is None or not question.strip()):
         raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
     stops = body.stops() + (list(state.chat.stop_strings) if chat else [])

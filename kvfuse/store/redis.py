@@ -136,7 +136,7 @@ class RedisTier:
             raise Down()
         try:
             out = fn()
-        except redis.ResponseError as e:  # an answer, not an outage: no backoff
+        except (redis.ResponseError, redis.exceptions.LockError) as e:  # an answer, not an outage: no backoff
             self.stats.errors += 1
             raise Refused(str(e)) from e
         except (redis.RedisError, OSError) as e:
@@ -306,10 +306,10 @@ class RedisTier:
             while not stop.wait(ttl_s / 3):
                 try:
                     self.call(lock.reacquire)
+                except Refused:  # lost it (expired while Redis was away): nothing to renew
+                    return
                 except Down:
                     pass
-                except Exception:  # lost it (expired while Redis was away): nothing to renew
-                    return
 
         keeper = threading.Thread(target=renew, name="kvfuse-lock-renew", daemon=True)
         keeper.start()
@@ -390,6 +390,9 @@ class RedisEntry:
     def _split(self, i: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         if len(raw) != 2 * self._layer_bytes:
             raise CorruptEntryError(f"{self.key[:12]}: truncated or gone (layer {i})", self.key)
+        if not raw:  # an entry of no tokens
+            empty = torch.empty(self._shape, dtype=self.dtype)
+            return empty, empty.clone()
         buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         k = buf[: self._layer_bytes].view(self.dtype).view(self._shape)
         v = buf[self._layer_bytes :].view(self.dtype).view(self._shape)

@@ -133,8 +133,8 @@ class TieredStore:
 
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
         stored = self.tiers[0].put(key, cache, pin)
-        if any(key not in t for t in self.tiers[1:]):
-            self._start_writer()
+        if len(self.tiers) > 1:  # the writer asks each later tier whether it has the key (a remote tier's
+            self._start_writer()  # lookup stays off the caller's thread)
             self._queue.put((key, cache, pin))
         return stored
 

@@ -105,8 +105,9 @@ def router(state: ServerState) -> APIRouter:
         if doc is None or (allowed is not None and not set(doc.groups) & set(allowed)):
             raise ApiError(404, f"No document {doc_id!r} in knowledge base {name!r} that this key may read.",
                            "not_found_error", param="doc_id", code="document_not_found")
+        groups = [g for g in doc.groups if allowed is None or g in allowed]  # never name a group it cannot read
         return {"id": doc.id, "title": doc.title, "text": doc.text, "stability": doc.stability,
-                "groups": list(doc.groups), "shared": doc.shared}
+                "groups": groups, "shared": doc.shared}
 
     @r.get("/v1/me")
     async def me(request: Request) -> dict[str, Any]:

@@ -20,8 +20,12 @@ def router(state: ServerState) -> APIRouter:
     @r.get("/metrics")
     async def metrics(request: Request) -> Response:
         state.metrics_reader(request)
+        import asyncio
+
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: a tier's sizes may be a network call (Redis INFO, bounded by its timeout)
+        body = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return r
