@@ -63,6 +63,11 @@ class CacheManager:
         self._lock = threading.Lock()
         self._hashes: OrderedDict[tuple[tuple[int, ...], tuple[SaltSpan, ...]], tuple[BlockHash, ...]] = OrderedDict()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes on every layer, stored in the KV dtype."""
+        return self.model.cfg.kv_bytes_per_token // 4 * self.kv_dtype.itemsize
+
     # -- prefix blocks -----------------------------------------------------------------------------
 
     def block_hashes(self, tokens: Sequence[int], salts: Sequence[SaltSpan] = ()) -> tuple[BlockHash, ...]:

@@ -82,10 +82,8 @@ def build(kb: KnowledgeBase, plan: PrefixPlan, progress: bool = False) -> BuildR
                     computed += c
                     bar.update(c)
             cache.store.flush()  # in every tier (Redis too) before the lock is released
-    cfg = kb.engine.cfg
-    per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * cache.kv_dtype.itemsize
     report = BuildReport(kb.name, plan.group, plan.tenant, plan.version, len(plan.ids), reused, computed,
-                         round(time.perf_counter() - t0, 4), n_full * per_token, loaded)
+                         round(time.perf_counter() - t0, 4), n_full * cache.kv_bytes_per_token, loaded)
     _record(kb, plan, hashes, report)
     return report
 

@@ -240,10 +240,7 @@ class RedisTier:
     def drop_corrupt(self, key: CacheKey, why: str) -> None:
         log.warning("dropping corrupt KV cache entry %s from Redis: %s", key[:12], why)
         self.corrupt += 1
-        try:
-            self.call(lambda: self._client.delete(self._rkey(key)))
-        except Down:
-            pass
+        self.delete(key)
 
     def delete(self, key: CacheKey) -> None:
         try:

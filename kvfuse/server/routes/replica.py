@@ -22,8 +22,7 @@ def load(state: ServerState) -> dict[str, Any]:
     waiting = max(0, state.worker.depth - running)
     memory = state.engine.store.tiers[0]
     used, cap = memory.used_bytes, memory.capacity_bytes
-    cfg = state.engine.cfg
-    per_token = max(1, cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * state.engine.kv_dtype.itemsize)
+    per_token = max(1, state.engine.cache.kv_bytes_per_token)
     return {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
             "num_reqs": running + waiting, "max_running_requests": state.limits.max_batch,
             "num_used_tokens": used // per_token, "max_total_num_tokens": cap // per_token,
