@@ -26,7 +26,7 @@ from kvfuse.control.policy import Decision
 from kvfuse.fuse import Fused
 from kvfuse.kv import KVCache
 from kvfuse.lmhead import GreedyHead
-from kvfuse.model import Decoder
+from kvfuse.model import Decoder, RowPlan
 from kvfuse.request import Generation, TokenCounts
 from kvfuse.sampling import SamplingParams
 from kvfuse.store.tiered import StoreStats
@@ -74,8 +74,9 @@ def step_hidden(model: Decoder, slots: list[Slot], tokens: list[int]) -> torch.T
     ns = [s.n for s in slots]
     pos = torch.tensor(ns + [0] * (rows - b))
     pad = h.new_zeros(rows - b, cfg.num_heads * cfg.head_dim)
+    plan = RowPlan(cfg, pos)  # RoPE's cos and sin once per step, not once per layer
     for i in range(cfg.num_layers):
-        q, k, v = model.project(i, h, pos)
+        q, k, v = model.project(i, h, pos, plan)
         w = cfg.window(i)
         outs = []
         for j, (s, n) in enumerate(zip(slots, ns, strict=True)):

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfuse.config import ModelConfig
-from kvfuse.quant import Int8Embedding
+from kvfuse.config import ModelConfig, RopeSpec
+from kvfuse.quant import Int8Embedding, Int8Linear
 from kvfuse.rope import apply_rope, rope_cos_sin
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
+AttnBlock = tuple[int, int, int, int, torch.Tensor]  # (query start, end, first key, key end, mask (e-s, hi-lo))
 
 
 class RMSNorm(nn.Module):
@@ -43,10 +44,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        # the checkpoint's q, k and v weights stacked (`STACKED`): a decoding step reads them in one product
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_weight_offset) if cfg.qk_norm else None
 
@@ -54,13 +55,39 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)  # gate and up stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = (lambda x: F.gelu(x, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+# Weights the model keeps stacked, and the checkpoint's weights they stack, in order (rows, then biases)
+STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
+    """Rename a checkpoint's per-layer weights (`layers.N.self_attn.q_proj.weight`, ...) to this model's
+    stacked ones, in place."""
+    for name in [n for n in state if n.endswith("self_attn.q_proj.weight") or n.endswith("mlp.gate_proj.weight")]:
+        layer = name[: name.index(".self_attn.") if ".self_attn." in name else name.index(".mlp.")]
+        for ours, theirs in STACKED.items():
+            for kind in ("weight", "bias"):
+                parts = [f"{layer}.{t}.{kind}" for t in theirs]
+                if all(p in state for p in parts):
+                    state[f"{layer}.{ours}.{kind}"] = torch.cat([state.pop(p) for p in parts])
+
+
+def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo:hi of a linear layer's output alone (the q, or the k and v, of a stacked projection)."""
+    if isinstance(layer, Int8Linear):
+        return layer.linear_rows(x, lo, hi)
+    assert isinstance(layer, nn.Linear)
+    return F.linear(x, layer.weight[lo:hi], None if layer.bias is None else layer.bias[lo:hi])
 
 
 class Block(nn.Module):
@@ -82,6 +109,66 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     if window is not None:
         mask &= dist < window
     return mask
+
+
+class RowPlan:
+    """What every layer derives from one set of query positions and key positions: RoPE's cos and sin
+    per RoPE spec, and `attend`'s query blocks and masks per window. A layer loop whose rows stay the
+    same builds them once instead of once per layer (a mask over a few thousand keys costs about as much
+    as a small matmul). Pure in its inputs: a plan gives exactly what the plan-free calls compute."""
+
+    __slots__ = ("cfg", "q_pos", "k_pos", "_rope", "_blocks")
+
+    def __init__(self, cfg: ModelConfig, q_pos: torch.Tensor, k_pos: torch.Tensor | None = None) -> None:
+        self.cfg, self.q_pos = cfg, q_pos
+        self.k_pos = q_pos if k_pos is None else k_pos
+        self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._blocks: dict[int | None, list[AttnBlock]] = {}
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (T, head_dim) of the query positions for that layer's RoPE."""
+        spec = self.cfg.rope(layer)
+        if spec not in self._rope:
+            self._rope[spec] = rope_cos_sin(self.q_pos, self.cfg.head_dim, spec)
+        return self._rope[spec]
+
+    def blocks(self, layer: int) -> list[AttnBlock]:
+        """`attend`'s blocks for that layer's window: each a run of queries, the keys its mask can reach
+        and that mask."""
+        window = self.cfg.window(layer)
+        if window not in self._blocks:
+            q_pos, k_pos, out = self.q_pos, self.k_pos, []
+            for s, e in _query_blocks(q_pos, window):
+                qp = q_pos[s:e]
+                lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window is not None else 0
+                hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+                out.append((s, e, lo, hi, attention_mask(qp, k_pos[lo:hi], window)))
+            self._blocks[window] = out
+        return self._blocks[window]
+
+    def matches(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+        return _same(self.q_pos, q_pos) and _same(self.k_pos, k_pos)
+
+
+class RowPlans:
+    """The few most recent `RowPlan`s of a layer loop, found again by their positions' values."""
+
+    def __init__(self, cfg: ModelConfig, keep: int = 4) -> None:
+        self.cfg, self.keep = cfg, keep
+        self._plans: list[RowPlan] = []
+
+    def get(self, q_pos: torch.Tensor, k_pos: torch.Tensor | None = None) -> RowPlan:
+        k = q_pos if k_pos is None else k_pos
+        for plan in self._plans:
+            if plan.matches(q_pos, k):
+                return plan
+        plan = RowPlan(self.cfg, q_pos, k)
+        self._plans = [plan, *self._plans[: self.keep - 1]]
+        return plan
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
 class Decoder(nn.Module):
@@ -109,42 +196,58 @@ class Decoder(nn.Module):
         h = self.embed_tokens(ids)
         return h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.embed_scale != 1.0 else h
 
-    def project(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos."""
-        x = self.block(i).input_layernorm(h)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
-        return (self._query(i, x, cos, sin), *self._key_value(i, x, cos, sin))
+    def project(self, i: int, h: torch.Tensor, pos: torch.Tensor, plan: RowPlan | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos
+        (`plan`, if given, is pos's: its cos and sin are reused)."""
+        attn = self.block(i).self_attn
+        q, k, v = attn.qkv_proj(self.block(i).input_layernorm(h)).split((attn.q_size, attn.kv_size, attn.kv_size), -1)
+        cos, sin = self._cos_sin(i, pos, plan)
+        return (self._query(i, q, cos, sin), *self._key_value(i, k, v, cos, sin))
 
-    def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def query(self, i: int, h: torch.Tensor, pos: torch.Tensor, plan: RowPlan | None = None) -> torch.Tensor:
         """Layer i's q alone (blend computes keys for more tokens than it runs queries for)."""
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
-        return self._query(i, self.block(i).input_layernorm(h), cos, sin)
+        attn = self.block(i).self_attn
+        q = _linear_rows(attn.qkv_proj, self.block(i).input_layernorm(h), 0, attn.q_size)
+        return self._query(i, q, *self._cos_sin(i, pos, plan))
 
-    def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor, plan: RowPlan | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's k and v alone."""
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
-        return self._key_value(i, self.block(i).input_layernorm(h), cos, sin)
+        attn = self.block(i).self_attn
+        kv = _linear_rows(attn.qkv_proj, self.block(i).input_layernorm(h), attn.q_size, attn.q_size + 2 * attn.kv_size)
+        k, v = kv.split(attn.kv_size, -1)
+        return self._key_value(i, k, v, *self._cos_sin(i, pos, plan))
 
-    def _query(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _cos_sin(self, i: int, pos: torch.Tensor, plan: RowPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if plan is not None:
+            assert plan.q_pos.shape == pos.shape, "a plan is for the positions it was made of"
+            return plan.rope(i)
+        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+
+    def _query(self, i: int, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected queries (T, heads*D) -> normed and rotated (heads, T, D)."""
         cfg, attn = self.cfg, self.block(i).self_attn
-        q = attn.q_proj(x).view(x.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        q = q.reshape(q.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
         return apply_rope(attn.q_norm(q) if attn.q_norm is not None else q, cos, sin)
 
-    def _key_value(
-        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _key_value(self, i: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected keys and values (T, kv_heads*D) -> (kv_heads, T, D), the keys normed and rotated."""
         cfg, attn = self.cfg, self.block(i).self_attn
-        k = attn.k_proj(x).view(x.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(x.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        k = k.reshape(k.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = v.reshape(v.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         return apply_rope(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin), v
 
     def attend(
-        self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor
+        self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+        plan: RowPlan | None = None,
     ) -> torch.Tensor:
         """Attention of queries at q_pos over keys at k_pos under the exact causal (and window) mask -> (Tq, heads*D).
 
         Both position vectors must be ascending. Long query sets run in blocks of ATTN_BLOCK queries,
-        each against only the keys its mask can reach, so a sliding layer costs O(T * window).
+        each against only the keys its mask can reach, so a sliding layer costs O(T * window). `plan`
+        (of q_pos and k_pos) reuses the blocks and masks an earlier layer built.
         """
         cfg = self.cfg
         window = cfg.window(i)
@@ -156,22 +259,15 @@ class Decoder(nn.Module):
                 q[None], k[None], v[None], is_causal=True, scale=cfg.query_scale, enable_gqa=True
             )[0]
         else:
-            parts = []
-            for s, e in _query_blocks(q_pos, window):
-                qp = q_pos[s:e]
-                lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window is not None else 0
-                hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
-                mask = attention_mask(qp, k_pos[lo:hi], window)
-                parts.append(
-                    F.scaled_dot_product_attention(
-                        q[None, :, s:e],
-                        k[None, :, lo:hi],
-                        v[None, :, lo:hi],
-                        attn_mask=mask[None, None],
-                        scale=cfg.query_scale,
-                        enable_gqa=True,
-                    )[0]
-                )
+            if plan is not None:
+                assert plan.q_pos.shape == q_pos.shape and plan.k_pos.shape == k_pos.shape, "a plan of other positions"
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[None, :, s:e], k[None, :, lo:hi], v[None, :, lo:hi], attn_mask=mask[None, None],
+                    scale=cfg.query_scale, enable_gqa=True,
+                )[0]
+                for s, e, lo, hi, mask in (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i)
+            ]
             out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 

@@ -96,6 +96,11 @@ class Int8Linear(Int8Rows):
         y = self.linear(x)
         return y if self.bias is None else y + self.bias
 
+    def linear_rows(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Output features lo:hi of `forward` alone."""
+        y = int8_matmul(x, self.q[lo:hi], self.scale[lo:hi])
+        return y if self.bias is None else y + self.bias[lo:hi]
+
 
 class Int8Embedding(Int8Rows):
     """An embedding table in int8 rows that is also the (tied) LM head (`linear`)."""

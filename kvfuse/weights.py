@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvfuse.config import CheckpointError, ModelConfig
-from kvfuse.model import Decoder
+from kvfuse.model import Decoder, stack_checkpoint
 from kvfuse.precision import DEFAULT_PRECISION, load_dtype
 from kvfuse.precision import apply as apply_precision
 from kvfuse.precision import fingerprint as precision_fingerprint
@@ -85,6 +85,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
                 state[_our_name(name)] = fh.get_tensor(name).to(dtype)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
+    stack_checkpoint(state)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing:

@@ -113,3 +113,42 @@ def test_attend_all_equals_attend_when_every_key_is_visible(tiny_models, family:
         want = model.attend(i, q, q_pos, k, v, k_pos)
         assert torch.allclose(model.attend_all(i, q, k, v), want, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(model.attend_all(0, q, k[:, :2], v[:, :2]), want, atol=1e-3)  # it reads the keys given
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_row_plan_changes_nothing(tiny_models, family: str) -> None:
+    """project and attend with a RowPlan (cos/sin and masks built once, reused over layers) give bit for
+    bit what they give without one, on sparse queries among more keys; a plan found again by RowPlans
+    is the same object, and one of other positions is a new one."""
+    from kvfuse.model import RowPlan, RowPlans
+
+    model = load_model(tiny_models[family][0]).model
+    cfg, g = model.cfg, torch.Generator().manual_seed(8)
+    k_pos = torch.arange(40)
+    q_pos = torch.tensor([3, 4, 9, 17, 18, 30, 39])
+    h = torch.randn(len(q_pos), cfg.hidden_size, generator=g)
+    k = torch.randn(cfg.num_kv_heads, 40, cfg.head_dim, generator=g)
+    v = torch.randn(cfg.num_kv_heads, 40, cfg.head_dim, generator=g)
+    plan = RowPlan(cfg, q_pos, k_pos)
+    with torch.no_grad():
+        for i in range(cfg.num_layers):
+            got, want = model.project(i, h, q_pos, plan), model.project(i, h, q_pos)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            assert torch.equal(model.attend(i, got[0], q_pos, k, v, k_pos, plan), model.attend(i, want[0], q_pos, k, v, k_pos))
+    plans = RowPlans(cfg)
+    first = plans.get(q_pos.clone(), k_pos)
+    assert plans.get(q_pos.clone(), k_pos) is first and plans.get(q_pos + 1, k_pos) is not first
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_projections_split_back(tiny_models, family: str) -> None:
+    """The checkpoint's q, k and v (and gate and up) weights load stacked; the q alone and the k and v
+    alone (`query`, `key_value`) are the stacked product's parts."""
+    model = load_model(tiny_models[family][0]).model
+    names = set(model.state_dict())
+    assert any(n.endswith("self_attn.qkv_proj.weight") for n in names) and not any("q_proj" in n for n in names)
+    h, pos = torch.randn(6, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2)), torch.arange(6)
+    with torch.no_grad():
+        q, k, v = model.project(1, h, pos)
+        assert torch.allclose(model.query(1, h, pos), q, atol=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.key_value(1, h, pos), (k, v), strict=True))

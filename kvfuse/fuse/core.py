@@ -35,7 +35,7 @@ import torch
 from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.kv import KVCache, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
-from kvfuse.model import Decoder
+from kvfuse.model import Decoder, RowPlan, RowPlans
 from kvfuse.rope import rerotate_into
 
 # (out, k, from_pos, to_pos, head_dim, spec): write keys k moved from from_pos to to_pos into out
@@ -89,19 +89,20 @@ def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     slices = [(s, min(s + PREFILL_SLICE, n)) for s in range(0, n, PREFILL_SLICE)]
     h = model.embed(ids)
     last = model.cfg.num_layers - 1
+    plans = [RowPlan(model.cfg, pos_all[start + s : start + e], pos_all[: start + e]) for s, e in slices]
     for i in range(last):
         outs = []
-        for s, e in slices:
-            pos = pos_all[start + s : start + e]
-            q, k, v = model.project(i, h[s:e], pos)
+        for (s, e), plan in zip(slices, plans, strict=True):
+            pos = plan.q_pos
+            q, k, v = model.project(i, h[s:e], pos, plan)
             k_buf[i, :, start + s : start + e], v_buf[i, :, start + s : start + e] = k, v
-            a = model.attend(i, q, pos, k_buf[i, :, : start + e], v_buf[i, :, : start + e], pos_all[: start + e])
+            a = model.attend(i, q, pos, k_buf[i, :, : start + e], v_buf[i, :, : start + e], plan.k_pos, plan)
             outs.append(model.finish(i, h[s:e], a))
             pause()
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
-    for s, e in slices:  # the last layer: every token needs just its KV; only the last one's output is used
+    for (s, e), plan in zip(slices, plans, strict=True):  # the last layer: every token needs just its KV
         k_buf[last, :, start + s : start + e], v_buf[last, :, start + s : start + e] = model.key_value(
-            last, h[s:e], pos_all[start + s : start + e])
+            last, h[s:e], plan.q_pos, plan)
         pause()
     q = model.query(last, h[-1:], pos_all[-1:])
     a = model.attend(last, q, pos_all[-1:], k_buf[last, :, :end], v_buf[last, :, :end], pos_all)
@@ -155,12 +156,13 @@ def precompute_chunk(
     k_buf, v_buf = _buffers(model.cfg, len(pos), model.compute_dtype)
     h = model.embed(torch.cat((pre, ids)))
     last = model.cfg.num_layers - 1
+    plan = RowPlan(model.cfg, pos)
     for i in range(last):
-        q, k, v = model.project(i, h, pos)
+        q, k, v = model.project(i, h, pos, plan)
         k_buf[i], v_buf[i] = k, v
-        h = model.finish(i, h, model.attend(i, q, pos, k, v, pos))
+        h = model.finish(i, h, model.attend(i, q, pos, k, v, pos, plan))
         pause()
-    k_buf[last], v_buf[last] = model.key_value(last, h, pos)  # the cache needs no output from the last layer
+    k_buf[last], v_buf[last] = model.key_value(last, h, pos, plan)  # the cache needs no output from the last layer
     n = len(pre)
     return KVCache(k_buf[:, :, n:].clone(), v_buf[:, :, n:].clone(), pos[n:].clone())
 
@@ -293,6 +295,7 @@ def fuse_chunks(
     h = model.embed(torch.cat([tail, cand_ids, suffix]))
     selected: list[torch.Tensor] = []
     recomputed = 0
+    plans = RowPlans(cfg)  # rows change only when the candidates narrow: RoPE and masks are built once per set
     own_loader = loader is None and placed is None
     if own_loader:
         loader = LayerLoader(chunks, cfg.num_layers, pipelined=False)
@@ -307,8 +310,9 @@ def fuse_chunks(
             rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
             last = i == cfg.num_layers - 1  # only the last row's output is used there (the logits)
             top, q_rows = torch.arange(nc), rows
+            plan = plans.get(rows, pos_all)
             if keep[i] < nc or last:  # keys first: to rank the candidates, or as all the other rows need
-                k, v = model.key_value(i, h, rows)
+                k, v = model.key_value(i, h, rows, plan)
                 if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
                     span = slice(n_lo, n_lo + nc)
                     dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
@@ -317,13 +321,15 @@ def fuse_chunks(
                     h, q_rows = h[sel], rows[sel]
                 if last:
                     h, q_rows = h[-1:], q_rows[-1:]
-                q = model.query(i, h, q_rows)
+                plan = plans.get(q_rows, pos_all)
+                q = model.query(i, h, q_rows, plan)
             else:
-                q, k, v = model.project(i, h, rows)
+                q, k, v = model.project(i, h, rows, plan)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
             if observe is not None:
                 observe(i, q, q_rows, k_buf[i, :, :total], pos_all)
-            h = model.finish(i, h, model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all))
+            a = model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all, plan)
+            h = model.finish(i, h, a)
             cand = cand[top]
             selected.append(cand)
             recomputed += int(cand.shape[0])
