@@ -77,7 +77,7 @@ def main() -> None:
         print(f"| {name} | {statistics.mean(kls[name]):.4f} | {statistics.median(kls[name]):.4f} | "
               f"{agree[name]}/{len(cases)} | {statistics.mean(share[name]):.3f} | "
               f"{statistics.median(ratio[name]):.3f} |")
-    gap = statistics.mean(kls["reuse"])
+    gap = statistics.mean(kls["reuse"]) if "reuse" in kls else 0.0
     if gap > 0:
         print("\nshare of the reuse-to-full KL gap closed: " + ", ".join(
             f"{n} {1 - statistics.mean(kls[n]) / gap:.0%}" for n in methods if n != "reuse"))

@@ -276,3 +276,27 @@ def test_pausing_changes_nothing_and_comes_between_pieces(models, family: str, m
             quiet, paused = build(fuse.FuseContext()), build(ctx)
         assert calls["n"] == pauses, f"{name}: {calls['n']} pauses, expected {pauses}"
         assert all(torch.equal(x, y) for x, y in zip(quiet, paused, strict=True)), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_query_aware_weigh_and_ahead(models, family: str) -> None:
+    """`weigh=share` and `ahead` change what the question's attention picks (each can), but at ratio 1.0
+    both are still full prefill, and ahead leaves the reuse pass's cache as it was (its rows recomputed
+    in a product of more rows: equal up to rounding)."""
+    from kvfuse.fuse.queryaware import suffix_attention
+
+    m = models[family]
+    prefix, chunks, suffix = _layout(6)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    plain, reused = suffix_attention(m, layout, "all")
+    shared, _ = suffix_attention(m, layout, "all", weigh="share")
+    ahead, drafted = suffix_attention(m, layout, "all", ahead=3)
+    assert not torch.allclose(plain, shared) and not torch.allclose(plain, ahead)
+    assert torch.equal(drafted.logits, reused.logits)
+    _assert_close(drafted.cache.k, reused.cache.k, f"{family} ahead's keys")
+    for options in ({"weigh": "share"}, {"ahead": 3}):
+        _assert_close(fuse.query_aware(m, layout, 1.0, **options).logits, full.logits, f"{family} {options}@1", 1e-4)
+    with pytest.raises(ValueError, match="weigh"):
+        fuse.QueryAware(weigh="max")

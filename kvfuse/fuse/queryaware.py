@@ -24,6 +24,7 @@ layers); at 0.15 about as much as blend@0.15's schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -39,10 +40,14 @@ FILTER_LAYERS = 2  # with `wide`, how many layers recompute the wide set before 
 
 
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
-                     ctx: FuseContext = IN_PLACE) -> tuple[torch.Tensor, Fused]:
+                     ctx: FuseContext = IN_PLACE, weigh: str = "mass", ahead: int = 0) -> tuple[torch.Tensor, Fused]:
     """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
     heads and suffix queries, from a reuse pass; and that pass's result, whose buffers hold every
-    chunk's re-rotated KV on every layer (with ctx.room tokens of room)."""
+    chunk's re-rotated KV on every layer (with ctx.room + ahead tokens of room).
+
+    With `ahead`, that many tokens are first drafted greedily on the reused cache, each by one more pass
+    over the suffix alone in the same buffers, and the attention counted is that of the suffix and its
+    draft: what the answer's first tokens look at, not only the question."""
     cfg = model.cfg
     full = {i for i in range(cfg.num_layers) if cfg.window(i) is None}
     counted = full if layers == "global" and full else set(range(cfg.num_layers))  # no full layer: all count
@@ -53,21 +58,31 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     def observe(i: int, q: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> None:
         mine = q_rows >= n  # the suffix's queries
         if i in counted and bool(mine.any()):
-            probs = model.attention_weights(i, q[:, mine], q_rows[mine], keys, k_pos)  # (heads, S, total)
-            score.add_(probs[:, :, start:n].sum(dim=(0, 1)))
+            probs = model.attention_weights(i, q[:, mine], q_rows[mine], keys, k_pos)[:, :, start:n]  # (heads, S, C)
+            if weigh == "share":  # every head and query has one vote over the chunk tokens
+                probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+            score.add_(probs.sum(dim=(0, 1)))
 
-    first = fuse_chunks(model, layout, [0] * cfg.num_layers, rotate=ctx.rotate, loader=ctx.loader, observe=observe,
-                        room=ctx.room, pause=ctx.pause)
+    reuse = [0] * cfg.num_layers
+    first = fuse_chunks(model, layout, reuse, rotate=ctx.rotate, loader=ctx.loader, observe=None if ahead else observe,
+                        room=ctx.room + ahead, pause=ctx.pause)
+    out, draft = first, []
+    for j in range(ahead):  # the draft's passes read the placed chunks; only the last one is observed
+        draft.append(int(out.logits.argmax()))
+        longer = dataclasses.replace(layout, suffix=torch.cat((layout.suffix, torch.tensor(draft))))
+        assert first.buffers is not None
+        out = fuse_chunks(model, longer, reuse, placed=first.buffers, observe=observe if j == ahead - 1 else None,
+                          pause=ctx.pause)
     return score, first
 
 
 def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
-                ctx: FuseContext = IN_PLACE, wide: float = 0.0) -> Fused:
+                ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "mass", ahead: int = 0) -> Fused:
     """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
     n_c = layout.chunk_tokens
-    score, reused = suffix_attention(model, layout, layers, ctx)
+    score, reused = suffix_attention(model, layout, layers, ctx, weigh, ahead)
     k = min(n_c, math.ceil(ratio * n_c - 1e-9))
     first = max(k, min(n_c, math.ceil(wide * n_c - 1e-9)))  # the set of the first layers (k: fixed set)
     chosen = torch.topk(score, first).indices.sort().values if first else torch.empty(0, dtype=torch.int64)
@@ -92,17 +107,21 @@ class QueryAware:
     layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
     wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
     behind: str = "self"  # chunks computed behind a copy of themselves (see registry.BEHIND)
+    weigh: str = "mass"  # "mass": attention probabilities summed; "share": each head's normalised over the chunks
+    ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):
             raise ValueError(f"layers must be 'all' or 'global', got {self.layers!r}")
         if not 0.0 <= self.wide <= 1.0:
             raise ValueError(f"wide must be between 0 and 1, got {self.wide}")
+        if self.weigh not in ("mass", "share"):
+            raise ValueError(f"weigh must be 'mass' or 'share', got {self.weigh!r}")
         check_behind(self.behind)
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = self.default_ratio if ratio is None else ratio
-        return query_aware(model, layout, r, self.layers, ctx, self.wide)
+        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead)
 
     def label(self, ratio: float | str | None) -> str:
         return self.name if ratio is None else f"{self.name}@{ratio}"
