@@ -90,7 +90,11 @@ def test_a_calibrated_floor_is_the_smallest_ratio_that_reaches_the_target() -> N
     d = ctl.decide(1000, "memory", fuser="queryaware")  # loading is fast: the calibrated floor decides
     assert d.ratio == 0.3 and d.floor == 0.3 and d.predicted_kl == pytest.approx(0.015) and d.fuser == "queryaware"
     assert ctl.decide(1000, "memory", fuser="legolink").ratio == 0.15  # not calibrated: the fixed floor
-    assert set(d.as_dict()) >= {"ratio", "tier", "fuser", "floor", "predicted_kl"}
+    assert set(d.as_dict()) >= {"ratio", "tier", "fuser", "floor", "predicted_kl", "target_kl", "meets_target"}
+    assert d.meets_target is (d.predicted_kl <= cal.target_kl)  # type: ignore[operator]
+    low = ctl.decide(1000, "memory", 0.05, "queryaware")  # a fixed ratio under the floor: predicted to miss
+    assert low.meets_target is False and low.target_kl == cal.target_kl
+    assert ctl.decide(1000, "memory", fuser="blend").meets_target is False  # no ratio reaches it: said so
 
 
 def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_path) -> None:

@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="comma-separated fusers that take a ratio, with options if any (queryaware:behind=head)")
     c.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3,0.5")
     c.add_argument("--target-kl", type=float, default=None, help="the fidelity target (default 0.02)")
-    c.add_argument("--answer-tokens", type=int, default=8, help="tokens of full's answer teacher-forced")
+    c.add_argument("--answer-tokens", type=int, default=32,
+                   help="tokens of full's answer teacher-forced (default: the eval's answer length)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_calibrate)
 

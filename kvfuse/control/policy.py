@@ -137,12 +137,22 @@ class Decision:
     fuser: str = "blend"
     floor: float = DEFAULT_FLOOR  # the quality floor the ratio was kept above (calibrated, or the default)
     predicted_kl: float | None = None  # the calibration's predicted fidelity at this ratio, if calibrated
+    target_kl: float | None = None  # the calibration's fidelity target, if calibrated
+
+    @property
+    def meets_target(self) -> bool | None:
+        """Whether the calibration predicts this ratio reaches its target (None: not calibrated). False
+        says the answer is the best the fuser's calibrated ratios offer, not the target's fidelity."""
+        if self.predicted_kl is None or self.target_kl is None:
+            return None
+        return self.predicted_kl <= self.target_kl
 
     def as_dict(self) -> dict[str, Any]:
         return {"ratio": round(self.ratio, 4), "tier": self.tier, "predicted_load_s": round(self.predicted_load_s, 6),
                 "predicted_recompute_s": round(self.predicted_recompute_s, 6), "fuser": self.fuser,
                 "floor": round(self.floor, 4),
-                "predicted_kl": round(self.predicted_kl, 5) if self.predicted_kl is not None else None}
+                "predicted_kl": round(self.predicted_kl, 5) if self.predicted_kl is not None else None,
+                "target_kl": self.target_kl, "meets_target": self.meets_target}
 
 
 class Controller:
@@ -174,8 +184,9 @@ class Controller:
         floor = self.floor_for(fuser)
         if ratio is None:
             ratio = min(1.0, max(load / full if full > 0 else 1.0, floor))
-        kl = self.calibration.predicted_kl(fuser, ratio) if self.calibration is not None else None
-        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl)
+        cal = self.calibration
+        kl = cal.predicted_kl(fuser, ratio) if cal is not None else None
+        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl, cal.target_kl if kl is not None and cal else None)
 
     def ratio_by_tier(self, n_tokens: int) -> dict[str, float]:
         return {t: round(self.decide(n_tokens, t).ratio, 4) for t in self.profile.tiers}

@@ -1,7 +1,10 @@
 """`kvfuse calibrate`: each fuser's fidelity against cost on one model, measured on a calibration set
 generated for the purpose (`eval make-crosschunk` with a seed of its own, never the eval data).
 
-Per case, full prefill's greedy answer (at most `answer_tokens`, its stop token included) is the
+Each case is laid out as the eval lays out its cases (`harness.retrieve`: its passages packed into
+chunks of at most `EvalSettings.chunk_tokens` tokens, the top `top_k` by distance to the question),
+so a curve measures what the eval's fidelity columns measure. Per case, full prefill's greedy answer
+(at most `answer_tokens`, by default the eval's answer length, its stop token included) is the
 reference; each fuser at each ratio is teacher-forced on it from its own fused cache, which gives the
 mean KL(full || fused) over the answer's tokens and the first-token agreement; TTFT is the engine's,
 as a ratio to full's within the case (caches precomputed, in memory). The curves are kept under the
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from kvfuse.control.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
+from kvfuse.eval.harness import EvalSettings, retrieve
 from kvfuse.eval.metrics import fidelity
 from kvfuse.fuse import fuser_key, get_fuser
 from kvfuse.sampling import SamplingParams
@@ -28,7 +32,8 @@ DEFAULT_SEED = 1234  # the calibration set's own seed (the eval's generated sets
 
 def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Sequence[Mode],
               ratios: Sequence[float] = DEFAULT_RATIOS, target_kl: float = DEFAULT_TARGET_KL,
-              answer_tokens: int = 8, seed: int = 0, progress: bool = False) -> Calibration:
+              answer_tokens: int = EvalSettings.max_tokens, seed: int = 0, progress: bool = False,
+              layout: EvalSettings = EvalSettings()) -> Calibration:
     """Measure every fuser at every ratio on the cases; see the module docstring."""
     from tqdm import tqdm
 
@@ -43,7 +48,8 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
     one = SamplingParams(max_tokens=1)
     bar = tqdm(total=len(cases), desc="calibrating", unit="case", disable=not progress)
     for case in cases:
-        req = Prompt(chunks=tuple(p.render() for p in case.passages), question=case.question).request(tok)
+        chunks = retrieve(case, tok, layout.top_k, layout.chunk_tokens)
+        req = Prompt(chunks=chunks, question=case.question).request(tok)
         for f in made:  # each fuser's chunk caches (they differ by preamble), stored before the timed runs
             engine.precompute(req, f)
         full = engine.generate(req, "full", params=ref_params, record_logits=True)
