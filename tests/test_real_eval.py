@@ -41,3 +41,30 @@ def test_make_crosschunk_sizes_passages_in_model_tokens(tmp_path, capsys) -> Non
     tok = Tokenizer(resolve_model_path(None))
     sizes = [len(tok.encode(p["text"])) for c in cases for p in c["ctxs"]]
     assert len(cases) == 4 and min(sizes) >= 300 and max(sizes) <= 500
+
+
+def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profile(tmp_path, monkeypatch,
+                                                                                 capsys) -> None:
+    """After `kvfuse calibrate`, `eval --methods default` runs the default fuser at its calibrated floor
+    (ratio auto) and each case says what the calibration predicted, even where no controller profile
+    was measured yet (the eval measures one)."""
+    import os
+
+    from kvfuse import fuse
+    from kvfuse.control.policy import Calibration, CurvePoint
+    from kvfuse.control.profile import save_calibration
+    from kvfuse.weights import load_model, resolve_model_path
+
+    path = resolve_model_path(None)
+    (tmp_path / "cache").mkdir()
+    os.symlink(path.parent, tmp_path / "cache" / "models")  # the converted model, in a fresh cache dir
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    key = fuse.fuser_key(fuse.get_fuser(fuse.DEFAULT_MODE))
+    curve = (CurvePoint(0.2, 0.05, 0.8, 0.3), CurvePoint(0.5, 0.01, 1.0, 0.6))  # floor 0.5 at target 0.02
+    save_calibration(Calibration(load_model(path).fingerprint, 0.02, {key: curve}, 1, 1), tmp_path / "cache")
+    out = tmp_path / "eval"
+    assert main(["eval", "--data", str(MUSIQUE), "--cases", "1", "--methods", "default", "--max-tokens", "4",
+                 "--out", str(out), "--quiet"]) == 0
+    case = json.loads((out / "results.json").read_text())["per_case"][0]["methods"]["default"]
+    assert case["ratio"] == 0.5 and case["predicted_kl"] == pytest.approx(0.01) and case["meets_target"] is True
+    assert 0.45 < case["recomputed_fraction"] < 0.55

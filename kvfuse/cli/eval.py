@@ -92,10 +92,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
     if any(m.name.endswith("@auto") or m.name == "default" for m in methods):
+        from kvfuse.control.profile import load_calibration
         from kvfuse.runtime import attach_controller
+        from kvfuse.weights import cache_dir
 
-        # `default` uses the calibrated ratio when this model was calibrated (the controller holds it)
-        attach_controller(engine, None, measure=any(m.name.endswith("@auto") for m in methods))
+        # `default` uses the calibrated ratio when this model was calibrated (the controller holds it, and
+        # needs a profile: measured now if this machine has none)
+        calibrated = load_calibration(cache_dir(), engine.fingerprint) is not None
+        attach_controller(engine, None, measure=calibrated or any(m.name.endswith("@auto") for m in methods))
     settings = EvalSettings(args.top_k, args.chunk_tokens, args.max_tokens)
     results = run_eval(engine, tok, cases, methods, settings, name, str(args.data), progress=not args.quiet)
     paths = write_outputs(results, out)

@@ -186,7 +186,8 @@ class Controller:
             ratio = min(1.0, max(load / full if full > 0 else 1.0, floor))
         cal = self.calibration
         kl = cal.predicted_kl(fuser, ratio) if cal is not None else None
-        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl, cal.target_kl if kl is not None and cal else None)
+        target = cal.target_kl if kl is not None and cal is not None else None
+        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl, target)
 
     def ratio_by_tier(self, n_tokens: int) -> dict[str, float]:
         return {t: round(self.decide(n_tokens, t).ratio, 4) for t in self.profile.tiers}

@@ -32,10 +32,13 @@ DEFAULT_SEED = 1234  # the calibration set's own seed (the eval's generated sets
 
 def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Sequence[Mode],
               ratios: Sequence[float] = DEFAULT_RATIOS, target_kl: float = DEFAULT_TARGET_KL,
-              answer_tokens: int = EvalSettings.max_tokens, seed: int = 0, progress: bool = False,
-              layout: EvalSettings = EvalSettings()) -> Calibration:
+              answer_tokens: int | None = None, seed: int = 0, progress: bool = False,
+              layout: EvalSettings | None = None) -> Calibration:
     """Measure every fuser at every ratio on the cases; see the module docstring."""
     from tqdm import tqdm
+
+    layout = layout or EvalSettings()
+    answer_tokens = layout.max_tokens if answer_tokens is None else answer_tokens
 
     made = [get_fuser(f) for f in fusers]
     if not all(f.takes_ratio for f in made):
