@@ -91,10 +91,19 @@ def test_a_calibrated_floor_is_the_smallest_ratio_that_reaches_the_target() -> N
     assert d.ratio == 0.3 and d.floor == 0.3 and d.predicted_kl == pytest.approx(0.015) and d.fuser == "queryaware"
     assert ctl.decide(1000, "memory", fuser="legolink").ratio == 0.15  # not calibrated: the fixed floor
     assert set(d.as_dict()) >= {"ratio", "tier", "fuser", "floor", "predicted_kl", "target_kl", "meets_target"}
-    assert d.meets_target is (d.predicted_kl <= cal.target_kl)  # type: ignore[operator]
+    assert d.meets_target is (d.predicted_kl_bound <= cal.target_kl)  # type: ignore[operator]
     low = ctl.decide(1000, "memory", 0.05, "queryaware")  # a fixed ratio under the floor: predicted to miss
     assert low.meets_target is False and low.target_kl == cal.target_kl
     assert ctl.decide(1000, "memory", fuser="blend").meets_target is False  # no ratio reaches it: said so
+    # a mean under the target with a wide spread over the cases is not a floor: the next ratio is
+    unsure = (CurvePoint(0.2, 0.018, 0.8, 0.3, kl_sem=0.004), CurvePoint(0.4, 0.012, 0.9, 0.5, kl_sem=0.004))
+    wide = Calibration("m", 0.02, {"queryaware": unsure})
+    assert unsure[0].kl_bound == pytest.approx(0.018 + 1.645 * 0.004) and wide.floor("queryaware") == 0.4
+    assert Calibration.from_json(wide.to_json()) == wide
+    sure = Controller(_profile(), floor=0.15, calibration=wide)
+    at = sure.decide(1000, "memory", fuser="queryaware")
+    assert at.ratio == 0.4 and at.meets_target and at.predicted_kl_bound == pytest.approx(unsure[1].kl_bound)
+    assert sure.decide(1000, "memory", 0.2, "queryaware").meets_target is False  # its mean alone would pass
 
 
 def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_path) -> None:

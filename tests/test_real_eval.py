@@ -67,4 +67,5 @@ def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profil
                  "--out", str(out), "--quiet"]) == 0
     case = json.loads((out / "results.json").read_text())["per_case"][0]["methods"]["default"]
     assert case["ratio"] == 0.5 and case["predicted_kl"] == pytest.approx(0.01) and case["meets_target"] is True
+    assert case["predicted_kl_bound"] == pytest.approx(0.01)  # no spread given: the bound is the mean
     assert 0.45 < case["recomputed_fraction"] < 0.55

@@ -16,6 +16,7 @@ that neither LMCache nor the CacheBlend code implements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,24 +67,33 @@ class Profile:
 
 
 DEFAULT_TARGET_KL = 0.02  # the fidelity a calibrated floor must reach: teacher-forced KL(full || fused)
+CONFIDENCE_Z = 1.645  # a floor's mean KL must reach the target by this many standard errors (one-sided 95%)
 
 
 @dataclass(frozen=True, slots=True)
 class CurvePoint:
     """One fuser at one ratio on the calibration set: mean teacher-forced KL to full, first-token
-    agreement, and the median TTFT ratio to full."""
+    agreement, the median TTFT ratio to full, and the standard error of the mean KL over the cases."""
 
     ratio: float
     kl: float
     first_token_agreement: float
     ttft_ratio: float
+    kl_sem: float = 0.0
+
+    @property
+    def kl_bound(self) -> float:
+        """The KL this ratio reaches with about 95% confidence: the mean plus `CONFIDENCE_Z` standard errors
+        (a few calibration cases leave the mean uncertain; the floor must hold on cases it never saw)."""
+        return self.kl + CONFIDENCE_Z * self.kl_sem
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """Each fuser's fidelity-against-cost curve on one model, measured by `kvfuse calibrate` on a
     calibration set generated for it (never the eval data). A fuser's floor is the smallest ratio
-    whose KL reaches the target, or its highest measured ratio when none does."""
+    whose KL reaches the target with confidence (`CurvePoint.kl_bound`), or its highest measured ratio
+    when none does."""
 
     model: str  # fingerprint
     target_kl: float
@@ -96,22 +106,29 @@ class Calibration:
         curve = self.curves.get(fuser)
         if not curve:
             return None
-        return next((p.ratio for p in curve if p.kl <= self.target_kl), curve[-1].ratio)
+        return next((p.ratio for p in curve if p.kl_bound <= self.target_kl), curve[-1].ratio)
 
     def reaches_target(self, fuser: str) -> bool:
-        return any(p.kl <= self.target_kl for p in self.curves.get(fuser, ()))
+        return any(p.kl_bound <= self.target_kl for p in self.curves.get(fuser, ()))
 
     def predicted_kl(self, fuser: str, ratio: float) -> float | None:
-        """The KL the curve predicts at that ratio (linear between measured ratios, clamped at the ends)."""
+        """The mean KL the curve predicts at that ratio (linear between measured ratios, clamped at the ends)."""
+        return self._interpolate(fuser, ratio, lambda p: p.kl)
+
+    def predicted_bound(self, fuser: str, ratio: float) -> float | None:
+        """The KL the curve predicts at that ratio with confidence (`CurvePoint.kl_bound`, interpolated)."""
+        return self._interpolate(fuser, ratio, lambda p: p.kl_bound)
+
+    def _interpolate(self, fuser: str, ratio: float, value: Callable[[CurvePoint], float]) -> float | None:
         curve = self.curves.get(fuser)
         if not curve:
             return None
         if ratio <= curve[0].ratio:
-            return curve[0].kl
+            return value(curve[0])
         for a, b in zip(curve, curve[1:], strict=False):
             if ratio <= b.ratio:
-                return a.kl + (b.kl - a.kl) * (ratio - a.ratio) / (b.ratio - a.ratio)
-        return curve[-1].kl
+                return value(a) + (value(b) - value(a)) * (ratio - a.ratio) / (b.ratio - a.ratio)
+        return value(curve[-1])
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "target_kl": self.target_kl, "cases": self.cases, "seed": self.seed,
@@ -138,21 +155,27 @@ class Decision:
     floor: float = DEFAULT_FLOOR  # the quality floor the ratio was kept above (calibrated, or the default)
     predicted_kl: float | None = None  # the calibration's predicted fidelity at this ratio, if calibrated
     target_kl: float | None = None  # the calibration's fidelity target, if calibrated
+    predicted_kl_bound: float | None = None  # the predicted KL with confidence (`CurvePoint.kl_bound`)
 
     @property
     def meets_target(self) -> bool | None:
-        """Whether the calibration predicts this ratio reaches its target (None: not calibrated). False
-        says the answer is the best the fuser's calibrated ratios offer, not the target's fidelity."""
-        if self.predicted_kl is None or self.target_kl is None:
+        """Whether the calibration predicts, with confidence, that this ratio reaches its target (None: not
+        calibrated). False says the answer is the best the fuser's calibrated ratios offer (or the ratio
+        asked for), not the target's fidelity."""
+        if self.predicted_kl_bound is None or self.target_kl is None:
             return None
-        return self.predicted_kl <= self.target_kl
+        return self.predicted_kl_bound <= self.target_kl
 
     def as_dict(self) -> dict[str, Any]:
         return {"ratio": round(self.ratio, 4), "tier": self.tier, "predicted_load_s": round(self.predicted_load_s, 6),
                 "predicted_recompute_s": round(self.predicted_recompute_s, 6), "fuser": self.fuser,
                 "floor": round(self.floor, 4),
-                "predicted_kl": round(self.predicted_kl, 5) if self.predicted_kl is not None else None,
+                "predicted_kl": _round(self.predicted_kl), "predicted_kl_bound": _round(self.predicted_kl_bound),
                 "target_kl": self.target_kl, "meets_target": self.meets_target}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 5)
 
 
 class Controller:
@@ -187,7 +210,8 @@ class Controller:
         cal = self.calibration
         kl = cal.predicted_kl(fuser, ratio) if cal is not None else None
         target = cal.target_kl if kl is not None and cal is not None else None
-        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl, target)
+        bound = cal.predicted_bound(fuser, ratio) if cal is not None else None
+        return Decision(ratio, tier, load, ratio * full, fuser, floor, kl, target, bound)
 
     def ratio_by_tier(self, n_tokens: int) -> dict[str, float]:
         return {t: round(self.decide(n_tokens, t).ratio, 4) for t in self.profile.tiers}

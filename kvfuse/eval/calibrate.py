@@ -71,5 +71,11 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
     bar.close()
     keys = [fuser_key(f) for f in made]
     curves = {f: tuple(CurvePoint(r, statistics.mean(kls[f, r]), statistics.mean(agree[f, r]),
-                                  statistics.median(ttft[f, r])) for r in sorted(ratios)) for f in keys}
+                                  statistics.median(ttft[f, r]), _sem(kls[f, r]))
+                       for r in sorted(ratios)) for f in keys}
     return Calibration(engine.fingerprint, target_kl, curves, len(cases), seed)
+
+
+def _sem(xs: list[float]) -> float:
+    """The standard error of the mean of xs (0 for a single case)."""
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0

@@ -160,6 +160,7 @@ class ChunkReuse:
             extra["ratio"] = g.ratio
         if g.controller is not None and g.controller.predicted_kl is not None:  # what the calibration promised
             extra["predicted_kl"] = g.controller.predicted_kl
+            extra["predicted_kl_bound"] = g.controller.predicted_kl_bound
             extra["meets_target"] = g.controller.meets_target
         return Outcome(text, g.ttft_s, g.scored_logits, g.tokens, recomputed, computed, extra)
 

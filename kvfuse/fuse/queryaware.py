@@ -17,6 +17,12 @@ Options (`queryaware@R:option=value`):
   deviates most there (blend's deviation measure); 0 (the default) is one fixed set.
 - `behind`: what the chunk caches are computed behind (`registry.BEHIND`); by default "self", the chunk
   behind a copy of itself, which measured best among the order-free preambles.
+- `weigh`: how a token's score adds up: "mass" (the default) sums the attention probabilities, so a
+  head that looks mostly at the prefix or at itself adds little; "share" first normalises each head's
+  and query's attention over the chunk tokens, so every head has one vote.
+- `ahead`: N > 0 drafts N tokens greedily on the reused cache (one more suffix pass each, in pass 1's
+  buffers) and scores by the attention of the suffix and its draft: what the answer's first tokens
+  look at, at the cost of N passes over the suffix.
 
 Cost: the suffix twice, plus R of the chunk tokens on every layer (and wide - R more on the first
 layers); at 0.15 about as much as blend@0.15's schedule.
