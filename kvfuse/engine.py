@@ -110,8 +110,9 @@ class Engine:
         self.cache.store = store
 
     def fuser(self, mode: Mode) -> Fuser:
+        """The fuser a mode names, with its model-dependent options settled for this model (`fuse.for_model`)."""
         try:
-            return fuse.get_fuser(mode)
+            return fuse.for_model(fuse.get_fuser(mode), self.model.cfg)
         except KeyError:
             raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(fuse.modes())}") from None
 

@@ -124,7 +124,7 @@ def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_pat
     tok = CharTokenizer()
     cal = calibrate(e, tok, cases_from(raw, "test"), ["blend", "queryaware"], (0.0, 0.5, 1.0), 0.01,  # type: ignore[arg-type]
                     answer_tokens=3)
-    keys = [fuse.fuser_key(fuse.get_fuser(f)) for f in ("blend", "queryaware")]
+    keys = [fuse.fuser_key(e.fuser(f)) for f in ("blend", "queryaware")]  # options settled for the model
     assert set(cal.curves) == set(keys) and keys[0].startswith("blend:") and ":behind=" in keys[1]
     for f in keys:
         curve = cal.curves[f]

@@ -290,7 +290,7 @@ def test_query_aware_weigh_and_ahead(models, family: str) -> None:
     full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
     caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
     layout = _fused_layout(m, prefix, caches, chunks, suffix)
-    plain, reused = suffix_attention(m, layout, "all")
+    plain, reused = suffix_attention(m, layout, "all", weigh="mass")
     shared, _ = suffix_attention(m, layout, "all", weigh="share")
     ahead, drafted = suffix_attention(m, layout, "all", ahead=3)
     assert not torch.allclose(plain, shared) and not torch.allclose(plain, ahead)
@@ -300,3 +300,12 @@ def test_query_aware_weigh_and_ahead(models, family: str) -> None:
         _assert_close(fuse.query_aware(m, layout, 1.0, **options).logits, full.logits, f"{family} {options}@1", 1e-4)
     with pytest.raises(ValueError, match="weigh"):
         fuse.QueryAware(weigh="max")
+    # weigh "auto": "share" where every layer counts, "mass" where only the full-attention layers do
+    auto, _ = suffix_attention(m, layout, "all")
+    assert torch.equal(auto, shared)
+    slides = any(m.cfg.window(i) is not None for i in range(m.cfg.num_layers))
+    settled = fuse.for_model(fuse.get_fuser("queryaware"), m.cfg)
+    assert isinstance(settled, fuse.QueryAware) and settled.weigh == ("mass" if slides else "share")
+    assert fuse.for_model(settled, m.cfg) == settled and fuse.for_model(fuse.Blend(), m.cfg) == fuse.Blend()
+    glob, _ = suffix_attention(m, layout, "global")
+    assert torch.equal(glob, suffix_attention(m, layout, "global", weigh=settled.weigh)[0])

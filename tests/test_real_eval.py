@@ -59,7 +59,7 @@ def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profil
     (tmp_path / "cache").mkdir()
     os.symlink(path.parent, tmp_path / "cache" / "models")  # the converted model, in a fresh cache dir
     monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
-    key = fuse.fuser_key(fuse.get_fuser(fuse.DEFAULT_MODE))
+    key = fuse.fuser_key(fuse.for_model(fuse.get_fuser(fuse.DEFAULT_MODE), load_model(path).model.cfg))
     curve = (CurvePoint(0.2, 0.05, 0.8, 0.3), CurvePoint(0.5, 0.01, 1.0, 0.6))  # floor 0.5 at target 0.02
     save_calibration(Calibration(load_model(path).fingerprint, 0.02, {key: curve}, 1, 1), tmp_path / "cache")
     out = tmp_path / "eval"
@@ -69,3 +69,30 @@ def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profil
     assert case["ratio"] == 0.5 and case["predicted_kl"] == pytest.approx(0.01) and case["meets_target"] is True
     assert case["predicted_kl_bound"] == pytest.approx(0.01)  # no spread given: the bound is the mean
     assert 0.45 < case["recomputed_fraction"] < 0.55
+
+
+def test_calibrate_cli_keeps_other_fusers_curves(tmp_path, monkeypatch, capsys) -> None:
+    """`kvfuse calibrate` stores curves under the model's fingerprint; calibrating one more fuser on the
+    same set and target keeps the curves measured before (a new set replaces them all)."""
+    import os
+
+    from kvfuse.control.profile import load_calibration
+    from kvfuse.weights import load_model, resolve_model_path
+
+    path = resolve_model_path(None)
+    (tmp_path / "cache").mkdir()
+    os.symlink(path.parent, tmp_path / "cache" / "models")
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    base = ["calibrate", "--cases", "1", "--ratios", "0.5,1.0", "--answer-tokens", "4", "--quiet"]
+    assert main([*base, "--fusers", "blend"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["kept"] == [] and list(first["floors"]) == [k for k in first["curves"]] and len(first["curves"]) == 1
+    assert main([*base, "--fusers", "queryaware"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["kept"] == list(first["curves"])
+    cal = load_calibration(tmp_path / "cache", load_model(path).fingerprint)
+    assert cal is not None and set(cal.curves) == set(first["curves"]) | set(second["curves"])
+    for curve in cal.curves.values():
+        assert [p.ratio for p in curve] == [0.5, 1.0] and curve[-1].kl < 1e-3  # at 1.0 every fuser is full
+    assert main([*base, "--fusers", "queryaware", "--seed", "7"]) == 0  # another set: only its own curves
+    assert json.loads(capsys.readouterr().out)["kept"] == []

@@ -22,7 +22,7 @@ from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.eval.harness import EvalSettings, retrieve
 from kvfuse.eval.metrics import fidelity
-from kvfuse.fuse import fuser_key, get_fuser
+from kvfuse.fuse import fuser_key
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Prompt, Tokenizer
 
@@ -40,7 +40,7 @@ def calibrate(engine: Engine, tok: Tokenizer, cases: Sequence[Case], fusers: Seq
     layout = layout or EvalSettings()
     answer_tokens = layout.max_tokens if answer_tokens is None else answer_tokens
 
-    made = [get_fuser(f) for f in fusers]
+    made = [engine.fuser(f) for f in fusers]  # model-dependent options settled: curves name what ran
     if not all(f.takes_ratio for f in made):
         raise ValueError("only fusers that take a ratio have a curve: " + ", ".join(f.name for f in made
                                                                                   if not f.takes_ratio))

@@ -20,7 +20,7 @@ import torch
 
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
-from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, fuser_key, get_fuser, parse_spec, spec_of
+from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, fuser_key, parse_spec, spec_of
 from kvfuse.request import Generation, Ratio, Request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
@@ -259,7 +259,7 @@ class Default:
     name: str = "default"
 
     def run(self, run: CaseRun) -> Outcome:
-        fuser = get_fuser(DEFAULT_MODE)
+        fuser = run.engine.fuser(DEFAULT_MODE)  # its model-dependent options settled
         ctl = run.engine.controller
         calibrated = ctl is not None and ctl.calibration is not None and \
             ctl.calibration.floor(fuser_key(fuser)) is not None

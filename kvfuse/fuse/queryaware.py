@@ -17,9 +17,12 @@ Options (`queryaware@R:option=value`):
   deviates most there (blend's deviation measure); 0 (the default) is one fixed set.
 - `behind`: what the chunk caches are computed behind (`registry.BEHIND`); by default "self", the chunk
   behind a copy of itself, which measured best among the order-free preambles.
-- `weigh`: how a token's score adds up: "mass" (the default) sums the attention probabilities, so a
-  head that looks mostly at the prefix or at itself adds little; "share" first normalises each head's
-  and query's attention over the chunk tokens, so every head has one vote.
+- `weigh`: how a token's score adds up: "mass" sums the attention probabilities, so a head that looks
+  mostly at the prefix or at itself adds little; "share" first normalises each head's and query's
+  attention over the chunk tokens, so every head has one vote. "auto" (the default) is "share" where
+  every layer's attention counts (a model without sliding layers: many layers, each head's vote
+  matters) and "mass" where only a few full-attention layers count (Gemma 3's 3 of 18): what each
+  model's calibration set measured best (docs/benchmarks.md).
 - `ahead`: N > 0 drafts N tokens greedily on the reused cache (one more suffix pass each, in pass 1's
   buffers) and scores by the attention of the suffix and its draft: what the answer's first tokens
   look at, at the cost of N passes over the suffix.
@@ -37,6 +40,7 @@ from typing import ClassVar
 
 import torch
 
+from kvfuse.config import ModelConfig
 from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
 from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
 from kvfuse.model import Decoder
@@ -45,8 +49,21 @@ DEFAULT_RATIO = 0.2  # the default fuser's ratio: at most 0.30x full's TTFT on G
 FILTER_LAYERS = 2  # with `wide`, how many layers recompute the wide set before it narrows
 
 
+def counted_layers(cfg: ModelConfig, layers: str) -> set[int]:
+    """The layers whose attention counts: the full-attention ones for "global" (all, if none is)."""
+    full = {i for i in range(cfg.num_layers) if cfg.window(i) is None}
+    return full if layers == "global" and full else set(range(cfg.num_layers))
+
+
+def settle_weigh(cfg: ModelConfig, layers: str, weigh: str) -> str:
+    """weigh "auto" for this model: "share" when every layer counts, else "mass" (see the module docstring)."""
+    if weigh != "auto":
+        return weigh
+    return "share" if len(counted_layers(cfg, layers)) == cfg.num_layers else "mass"
+
+
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
-                     ctx: FuseContext = IN_PLACE, weigh: str = "mass", ahead: int = 0) -> tuple[torch.Tensor, Fused]:
+                     ctx: FuseContext = IN_PLACE, weigh: str = "auto", ahead: int = 0) -> tuple[torch.Tensor, Fused]:
     """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
     heads and suffix queries, from a reuse pass; and that pass's result, whose buffers hold every
     chunk's re-rotated KV on every layer (with ctx.room + ahead tokens of room).
@@ -55,8 +72,8 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     over the suffix alone in the same buffers, and the attention counted is that of the suffix and its
     draft: what the answer's first tokens look at, not only the question."""
     cfg = model.cfg
-    full = {i for i in range(cfg.num_layers) if cfg.window(i) is None}
-    counted = full if layers == "global" and full else set(range(cfg.num_layers))  # no full layer: all count
+    counted = counted_layers(cfg, layers)
+    weigh = settle_weigh(cfg, layers, weigh)
     start = sum(len(c) for c in layout.prefix) + int(layout.prefix_tail.shape[0])
     n = start + layout.chunk_tokens
     score = torch.zeros(layout.chunk_tokens)
@@ -83,7 +100,7 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
 
 
 def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
-                ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "mass", ahead: int = 0) -> Fused:
+                ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "auto", ahead: int = 0) -> Fused:
     """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
@@ -113,7 +130,7 @@ class QueryAware:
     layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
     wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
     behind: str = "self"  # chunks computed behind a copy of themselves (see registry.BEHIND)
-    weigh: str = "mass"  # "mass": attention probabilities summed; "share": each head's normalised over the chunks
+    weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "auto": by the model
     ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
 
     def __post_init__(self) -> None:
@@ -121,9 +138,13 @@ class QueryAware:
             raise ValueError(f"layers must be 'all' or 'global', got {self.layers!r}")
         if not 0.0 <= self.wide <= 1.0:
             raise ValueError(f"wide must be between 0 and 1, got {self.wide}")
-        if self.weigh not in ("mass", "share"):
-            raise ValueError(f"weigh must be 'mass' or 'share', got {self.weigh!r}")
+        if self.weigh not in ("auto", "mass", "share"):
+            raise ValueError(f"weigh must be 'auto', 'mass' or 'share', got {self.weigh!r}")
         check_behind(self.behind)
+
+    def for_model(self, cfg: ModelConfig) -> QueryAware:
+        """This fuser with weigh "auto" settled for the model (`registry.for_model`)."""
+        return dataclasses.replace(self, weigh=settle_weigh(cfg, self.layers, self.weigh))
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = self.default_ratio if ratio is None else ratio

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
+from kvfuse.config import ModelConfig
 from kvfuse.fuse.core import Fused, FuseLayout, Pause, Rerotate, no_pause
 from kvfuse.loader import LayerLoader
 from kvfuse.model import Decoder
@@ -199,6 +200,14 @@ def spec_of(fuser: Fuser, ratio: float | str | None = None) -> str:
     """The spec `parse_spec` reads back as this fuser: its label, then every option not at its default
     (fields marked `metadata={"arg": True}` are in the label's @arg already)."""
     return fuser.label(ratio) + _options(fuser, defaults=False)
+
+
+def for_model(fuser: Fuser, cfg: ModelConfig) -> Fuser:
+    """The fuser with the options it leaves to the model ("auto") settled for this model's config, so
+    that its curve key and the spec an answer reports name what ran. A fuser with such options has a
+    `for_model(cfg)` method; the others are returned as they are."""
+    settle = getattr(fuser, "for_model", None)
+    return fuser if settle is None else settle(cfg)  # type: ignore[no-any-return]
 
 
 def fuser_key(fuser: Fuser) -> str:
