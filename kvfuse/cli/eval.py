@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -175,11 +174,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     seed = DEFAULT_SEED if args.seed is None else args.seed
     cases = cases_from(make_cases(args.cases, seed, lambda text: len(tok.encode(text))), "the calibration set")
     cal = calibrate(engine, tok, cases, fusers, ratios, target, args.answer_tokens, seed, progress=not args.quiet)
-    earlier = load_calibration(cache_dir(), engine.fingerprint)
-    kept: list[str] = []
-    if earlier is not None and (earlier.target_kl, earlier.cases, earlier.seed) == (cal.target_kl, cal.cases, cal.seed):
-        kept = sorted(set(earlier.curves) - set(cal.curves))  # the same set and target: other fusers' curves stay
-        cal = dataclasses.replace(cal, curves={**{f: earlier.curves[f] for f in kept}, **cal.curves})
+    cal, kept = cal.keeping(load_calibration(cache_dir(), engine.fingerprint))  # other fusers' curves stay
     path = save_calibration(cal, cache_dir())
     print(json.dumps({"model": name, "out": str(path), "target_kl": target, "cases": len(cases), "seed": seed,
                       "kept": kept,

@@ -17,7 +17,7 @@ that neither LMCache nor the CacheBlend code implements.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,16 @@ class Calibration:
             if ratio <= b.ratio:
                 return value(a) + (value(b) - value(a)) * (ratio - a.ratio) / (b.ratio - a.ratio)
         return value(curve[-1])
+
+    def keeping(self, earlier: Calibration | None) -> tuple[Calibration, list[str]]:
+        """This calibration plus the curves of `earlier` it did not measure again, when both were measured
+        on the same set (cases, seed) for the same target; and the fusers kept from it."""
+        same_set = earlier is not None and (earlier.target_kl, earlier.cases, earlier.seed) == (
+            self.target_kl, self.cases, self.seed)
+        if earlier is None or not same_set:
+            return self, []
+        kept = sorted(set(earlier.curves) - set(self.curves))
+        return replace(self, curves={**{f: earlier.curves[f] for f in kept}, **self.curves}), kept
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "target_kl": self.target_kl, "cases": self.cases, "seed": self.seed,
