@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfuse.config import ModelConfig, RopeSpec
+from kvfuse.packed import PackedLinear
 from kvfuse.quant import Int8Embedding, Int8Linear
 from kvfuse.rope import apply_rope, rope_cos_sin
 
@@ -84,7 +85,7 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
 
 def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of a linear layer's output alone (the q, or the k and v, of a stacked projection)."""
-    if isinstance(layer, Int8Linear):
+    if isinstance(layer, Int8Linear | PackedLinear):
         return layer.linear_rows(x, lo, hi)
     assert isinstance(layer, nn.Linear)
     return F.linear(x, layer.weight[lo:hi], None if layer.bias is None else layer.bias[lo:hi])

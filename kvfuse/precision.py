@@ -1,6 +1,7 @@
 """Precisions: the dtype a model's weights and activations are computed in (`--precision`).
 
-- `fp32`: float32 throughout; the oracle the others are measured against.
+- `fp32`: float32 throughout; the oracle the others are measured against. Its layer weights are
+  prepacked for oneDNN (`packed.py`), which reads them about twice as fast in a decoding step.
 - `bf16`: weights and activations in bfloat16, for CPUs with AMX (on an AVX2-only CPU its matmuls are
   several times slower than fp32's). Norms and softmax compute in float32 inside their kernels and
   round back; the residual stream is bfloat16 (fidelity against fp32: docs/benchmarks.md).
@@ -63,7 +64,7 @@ def apply(model: Decoder, precision: str) -> Decoder:
 
     check(precision)
     if precision == "fp32":
-        return model.float()
+        return pack(model.float())
     if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in float32
         _quantize_linears(model)
         if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
@@ -74,6 +75,16 @@ def apply(model: Decoder, precision: str) -> Decoder:
                 p.data = p.data.clone()
         return model
     return model.to(torch.bfloat16)
+
+
+def pack(model: Decoder) -> Decoder:
+    """Prepack a float32 model's layer weights for oneDNN (`packed.py`): decoding steps read them about
+    twice as fast. Where this PyTorch has no oneDNN, the plain layers stay."""
+    from kvfuse.packed import available, pack_linears
+
+    if available() and model.norm.weight.device.type == "cpu":
+        pack_linears(model, {"qkv_proj": (model.block(0).self_attn.q_size,)})
+    return model
 
 
 def of(model: Decoder) -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse import precision, quant
+from kvfuse import packed, precision, quant
 from kvfuse.engine import Request
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
@@ -12,7 +12,7 @@ from kvfuse.weights import load_model
 
 
 def _state_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -105,3 +105,53 @@ def test_the_int8_kernel_gives_each_row_the_same_result_in_any_batch() -> None:
     together = layer(x)
     assert together.shape == (17, 96) and together.dtype == torch.float32
     assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(17))
+
+
+needs_onednn = pytest.mark.skipif(not packed.available(), reason="this PyTorch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(64, 96), (640, 1536), (2048, 640)])
+def test_a_packed_linear_is_the_linear_and_its_rows_do_not_depend_on_the_batch(shape: tuple[int, int]) -> None:
+    inp, out = shape
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(inp, out, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_(0, inp**-0.5, generator=g)
+        lin.bias.normal_(generator=g)
+    layer = packed.PackedLinear(lin, (out // 3,))
+    x = torch.randn(40, inp, generator=g)
+    together = layer(x)
+    assert torch.allclose(together, lin(x), atol=1e-4, rtol=1e-5)  # the oracle: the plain layer
+    assert not torch.equal(layer(x[:2]), torch.zeros(2, out))
+    # a row's result is bitwise the same beside any other rows, from 2 rows up (decode.MIN_ROWS)
+    for i in range(0, 40, 7):
+        pair = torch.stack((x[i], x[(i + 1) % 40]))
+        assert torch.equal(layer(pair)[0], together[i])
+    # the parts alone are exactly forward's columns; a range that cuts a part is refused
+    assert torch.equal(layer.linear_rows(x, 0, out // 3), together[:, : out // 3])
+    assert torch.equal(layer.linear_rows(x, out // 3, out), together[:, out // 3 :])
+    with pytest.raises(ValueError, match="not whole parts"):
+        layer.linear_rows(x, 1, out)
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], lin.weight) and torch.equal(state["bias"], lin.bias)
+
+
+@needs_onednn
+def test_an_fp32_model_runs_packed_layers_close_to_the_plain_ones(tiny_models) -> None:
+    root = tiny_models["qwen2"][0]  # q, k and v with biases
+    model = load_model(root, "fp32").model
+    plain = load_model(root, "fp32").model
+    for blk in plain.layers:  # unpacked from the names a packed layer's state keeps: the checkpoint's layers
+        for parent, name in ((blk.self_attn, "qkv_proj"), (blk.self_attn, "o_proj"), (blk.mlp, "gate_up_proj"),
+                             (blk.mlp, "down_proj")):
+            old = getattr(parent, name)
+            lin = torch.nn.Linear(old.in_features, old.out_features, bias="bias" in old.state_dict())
+            lin.load_state_dict(old.state_dict())
+            setattr(parent, name, lin)
+    assert any(isinstance(m, packed.PackedLinear) for m in model.modules())
+    assert not any(isinstance(m, packed.PackedLinear) for m in plain.modules())
+    ids = torch.tensor((1,) + rand_ids(30, 9))
+    with torch.inference_mode():
+        got, want = model(ids), plain(ids)
+    assert torch.allclose(got, want, atol=1e-4) and not torch.equal(got, torch.zeros_like(got))

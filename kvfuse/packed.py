@@ -1,0 +1,80 @@
+"""float32 linear layers with their weights prepacked for oneDNN, PyTorch's own CPU kernels
+(`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU backend runs for a frozen linear).
+
+A decoding step multiplies 2 to 8 rows by every weight. For such products the BLAS behind `F.linear`
+reads a weight at 6-9 GB/s on the 2-core machines here; the same weight reordered once into oneDNN's
+blocked layout is read at 15-20 GB/s, and long products (a prefill) run no slower (measured:
+docs/benchmarks.md). Each output row of a packed product depends only on its own input row for 2
+rows and more (`decode.batch_limit` checks this on the model at hand), so batched decoding stays
+bitwise equal to a lone request.
+
+The packed weight replaces the plain one, which is then freed (a float32 model holds its weights
+once); `state_dict()` still names `weight` (and `bias`), unpacked on request. A stacked projection
+(q, k and v) is packed as one part per `splits` entry, so that `linear_rows` can run the query rows
+or the key and value rows alone and give exactly the columns `forward` gives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def available() -> bool:
+    """Whether this PyTorch has oneDNN's packed linear (x86 and Arm builds with mkldnn)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear (float32) whose weight is held in oneDNN's layout, in parts of rows (`splits`)."""
+
+    def __init__(self, linear: nn.Linear, splits: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        if linear.weight.dtype != torch.float32:
+            raise TypeError(f"a packed linear is float32, got {linear.weight.dtype}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bounds = (0, *splits, self.out_features)  # the parts' first rows, and the end
+        weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        self.parts = [torch.ops.mkldnn._reorder_linear_weight(weight[lo:hi].contiguous(), 2)
+                      for lo, hi in zip(self.bounds, self.bounds[1:], strict=False)]
+        self.biases = [None if bias is None else bias[lo:hi].clone()
+                       for lo, hi in zip(self.bounds, self.bounds[1:], strict=False)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_rows(x, 0, self.out_features)
+
+    def linear_rows(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Output features lo:hi of `forward` alone; lo and hi must be bounds of the parts."""
+        if lo not in self.bounds or hi not in self.bounds or hi <= lo:
+            raise ValueError(f"rows {lo}:{hi} are not whole parts of {self.bounds}")
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        a, b = self.bounds.index(lo), self.bounds.index(hi)
+        outs = [_product(flat, p, bias) for p, bias in zip(self.parts[a:b], self.biases[a:b], strict=True)]
+        out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+        return out.reshape(*x.shape[:-1], hi - lo)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """The state names the plain weight (and bias), as an nn.Linear's: unpacked on request."""
+        destination[prefix + "weight"] = torch.cat([p.to_dense() for p in self.parts])
+        if self.biases[0] is not None:
+            destination[prefix + "bias"] = torch.cat([b for b in self.biases if b is not None])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.bounds}"
+
+
+def pack_linears(model: nn.Module, splits: dict[str, tuple[int, ...]] | None = None) -> int:
+    """Replace every float32 nn.Linear inside `model.layers` with a PackedLinear, in place; `splits` names
+    the row parts of a child by its attribute name ("qkv_proj": (q rows, q + k rows)). Returns how many."""
+    n = 0
+    layers = model.get_submodule("layers")
+    for parent in list(layers.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+                setattr(parent, name, PackedLinear(child, (splits or {}).get(name, ())))
+                n += 1
+    return n
