@@ -65,16 +65,3 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.bounds}"
-
-
-def pack_linears(model: nn.Module, splits: dict[str, tuple[int, ...]] | None = None) -> int:
-    """Replace every float32 nn.Linear inside `model.layers` with a PackedLinear, in place; `splits` names
-    the row parts of a child by its attribute name ("qkv_proj": (q rows, q + k rows)). Returns how many."""
-    n = 0
-    layers = model.get_submodule("layers")
-    for parent in list(layers.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, (splits or {}).get(name, ())))
-                n += 1
-    return n

@@ -19,7 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads the names without it
+    from collections.abc import Callable
+
     import torch
+    from torch import nn
 
     from kvfuse.model import Decoder
 
@@ -64,7 +67,7 @@ def apply(model: Decoder, precision: str) -> Decoder:
 
     check(precision)
     if precision == "fp32":
-        return pack(model.float())
+        return _pack(model.float())
     if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in float32
         _quantize_linears(model)
         if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
@@ -75,16 +78,6 @@ def apply(model: Decoder, precision: str) -> Decoder:
                 p.data = p.data.clone()
         return model
     return model.to(torch.bfloat16)
-
-
-def pack(model: Decoder) -> Decoder:
-    """Prepack a float32 model's layer weights for oneDNN (`packed.py`): decoding steps read them about
-    twice as fast. Where this PyTorch has no oneDNN, the plain layers stay."""
-    from kvfuse.packed import available, pack_linears
-
-    if available() and model.norm.weight.device.type == "cpu":
-        pack_linears(model, {"qkv_proj": (model.block(0).self_attn.q_size,)})
-    return model
 
 
 def of(model: Decoder) -> str:
@@ -106,12 +99,29 @@ def rounding(model: Decoder) -> torch.dtype:
     return torch.float32 if of(model) == "fp32" else torch.bfloat16
 
 
-def _quantize_linears(model: Decoder) -> None:
-    from torch import nn
+def _pack(model: Decoder) -> Decoder:
+    """Prepack a float32 model's layer weights for oneDNN (`packed.py`): decoding steps read them about
+    twice as fast. Where this PyTorch has no oneDNN, the plain layers stay. A stacked q/k/v weight is
+    packed in two parts (q; k and v), which `Decoder.query` and `key_value` run alone."""
+    from kvfuse.packed import PackedLinear, available
 
+    if available() and model.norm.weight.device.type == "cpu":
+        q_rows = (model.block(0).self_attn.q_size,)
+        _replace_linears(model.layers, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else ()))
+    return model
+
+
+def _quantize_linears(model: Decoder) -> None:
     from kvfuse.quant import Int8Linear
 
-    for parent in list(model.modules()):
+    _replace_linears(model, lambda name, lin: Int8Linear(lin))
+
+
+def _replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:
+    """Replace every nn.Linear under root, in place, by make(its attribute name, it)."""
+    from torch import nn
+
+    for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, make(name, child))
