@@ -32,7 +32,8 @@ from kvfuse.text import Tokenizer  # noqa: E402
 from kvfuse.weights import resolve_model_path  # noqa: E402
 
 GROUPS = {  # operator name fragment -> group (first match wins)
-    "_weight_int8pack_mm": "weight matmuls", "aten::mm": "weight matmuls", "aten::addmm": "weight matmuls",
+    "_weight_int8pack_mm": "weight matmuls", "mkldnn::_linear_pointwise": "weight matmuls",
+    "aten::mm": "weight matmuls", "aten::addmm": "weight matmuls",
     "aten::linear": None, "aten::matmul": None,  # wrappers: their time is in their children
     "scaled_dot_product": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::copy_": "copies and KV writes", "aten::index_put": "copies and KV writes",
@@ -54,9 +55,13 @@ def bandwidth() -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """What one greedy step reads: every parameter and buffer (the int8 screen instead of a float32 head)."""
+    """What one greedy step reads: every parameter and buffer, and the weights prepacked for oneDNN (the
+    int8 screen instead of a float32 head)."""
+    from kvfuse.packed import PackedLinear
+
     m = engine.model
     total = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    total += sum(4 * p.in_features * p.out_features for p in m.modules() if isinstance(p, PackedLinear))
     head = engine.greedy_head()
     if head is not None:  # the screen reads its int8 table and row bounds, not the float32 head (its `weight`)
         total += sum(t.numel() * t.element_size() for k, t in vars(head).items()

@@ -198,7 +198,7 @@ class Decoding:
             self.done = True
             pre = self.pre
             self.result = Generation(
-                self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.logits,
+                self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.lazy_logits(),
                 self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
                 torch.stack(self.steps).float() if self.steps else None, self.scored, pre.fuser,
             )

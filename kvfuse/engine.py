@@ -264,7 +264,11 @@ class Engine:
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
             stop = set()
-        first = sample(pre.fused.logits, params, gen)
+        head = self.greedy_head() if _greedy(params) and not record_logits else None
+        if head is not None:  # only the argmax is needed: the screen finds it without reading the float head
+            first = head.argmax(self.model.norm(pre.fused.hidden[None])[0])
+        else:
+            first = sample(pre.fused.logits, params, gen)
         d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
         for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
             write()  # whether this one is still decoding or not
@@ -289,8 +293,7 @@ class Engine:
             if d.slot is None:
                 d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
         h = step_hidden(self.model, [d.slot for d in live], [d.tokens[-1] for d in live])  # type: ignore[misc]
-        greedy = [j for j, d in enumerate(live)
-                  if d.params.temperature < MIN_TEMPERATURE and not d.params.adjusts and d.steps is None]
+        greedy = [j for j, d in enumerate(live) if _greedy(d.params) and d.steps is None]
         head = self.greedy_head() if greedy else None
         chosen: dict[int, int] = {}
         if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
@@ -338,6 +341,11 @@ class Engine:
         slot = Slot(self.model, fused.cache, len(ids))
         rows = [fused.logits] + [self.model.logits(step_hidden(self.model, [slot], [t]))[0] for t in ids[:-1]]
         return torch.stack(rows).float()
+
+
+def _greedy(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the argmax of plain logits (what the int8 screen finds exactly)."""
+    return params.temperature < MIN_TEMPERATURE and not params.adjusts
 
 
 def _ids(tokens: Sequence[int]) -> torch.Tensor:

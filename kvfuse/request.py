@@ -11,7 +11,7 @@ exactly one place, `Salt.key`, so the CLI, the library and the server give one t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -126,7 +126,7 @@ class Generation:
     ttft_s: float
     total_s: float
     counts: TokenCounts
-    first_logits: torch.Tensor  # (vocab,) float32
+    logits_of_prompt: Callable[[], torch.Tensor]  # `first_logits`, computed when first asked for
     finish_reason: str  # "stop" (EOS or stop id) or "length"
     mode: str
     ratio: float | None
@@ -135,6 +135,12 @@ class Generation:
     step_logits: torch.Tensor | None = None  # (steps, vocab) logits that chose each token, if recorded
     scored_logits: torch.Tensor | None = None  # (len(score), vocab) teacher-forced logits, if asked
     fuser: str = ""  # the fuser with its options (`fuse.spec_of`: queryaware:behind=self); mode is its name
+
+    @property
+    def first_logits(self) -> torch.Tensor:
+        """(vocab,) float32 logits of the first token. A greedy request chose its first token without
+        them (through the int8 screen of the head), so they are computed on first use."""
+        return self.logits_of_prompt()
 
     def first_token_top(self, k: int = 20) -> list[tuple[int, float]]:
         """The k most likely first tokens as (token_id, logprob)."""

@@ -69,3 +69,27 @@ def test_screened_greedy_generation_equals_plain(tiny_engines, family: str) -> N
         req = Request(prefix=ids[:15], suffix=ids[15:])
         assert e.greedy_head() is not None
         assert e.generate(req, "full", params=params).tokens == plain.generate(req, "full", params=params).tokens
+
+
+@pytest.mark.parametrize("mode", ["full", "reuse", "queryaware"])
+def test_a_greedy_first_token_reads_no_float_head_until_its_logits_are_asked_for(tiny_engines, monkeypatch,
+                                                                                    mode: str) -> None:
+    """The first token of a greedy request comes from the screen; `first_logits` is computed on demand
+    and its argmax is that token (the plain path's choice)."""
+    from kvfuse.engine import Engine, Request
+    from kvfuse.sampling import SamplingParams
+
+    e = tiny_engines["llama"]
+    plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
+    ids = tuple(int(t) for t in torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(7)))
+    req = Request(prefix=ids[:10], chunks=(ids[10:22], ids[22:35]), suffix=ids[35:])
+    want = plain.generate(req, mode, params=SamplingParams(max_tokens=1))
+    calls: list[int] = []
+    real = type(e.model).logits
+    monkeypatch.setattr(type(e.model), "logits", lambda self, h: calls.append(h.shape[0]) or real(self, h))
+    got = e.generate(req, mode, params=SamplingParams(max_tokens=1))
+    assert got.tokens == want.tokens and calls == []  # chosen by the screen: the float head was not read
+    assert int(got.first_logits.argmax()) == got.tokens[0] and calls == [1]
+    assert torch.allclose(got.first_logits, want.first_logits, atol=1e-5) and calls == [1]  # computed once
+    sampled = e.generate(req, mode, params=SamplingParams(max_tokens=1, temperature=0.8, seed=1))
+    assert len(sampled.tokens) == 1 and len(calls) == 2  # sampling needs the logits themselves

@@ -1,8 +1,10 @@
 """The layer loop every fuser runs: a request's KV cache built in one layer-by-layer pass.
 
 A request's prompt is  prefix | prefix_tail | chunk_1 | ... | chunk_n | suffix  (a `FuseLayout`). Every
-builder returns a `Fused`: the KV cache of the whole prompt at positions 0..T-1 and the logits of its
-last token.
+builder returns a `Fused`: the KV cache of the whole prompt at positions 0..T-1 and the hidden state of
+its last token, whose logits (`Fused.logits`) are computed on first use: a greedy request's first token
+needs only their argmax, which the engine finds through the int8 screen of the LM head (`lmhead.py`)
+without reading the float head, and the first pass of a two-pass fuser needs no logits at all.
 
 - `prefill` is the naive path, and the oracle every other path is tested against.
 - `fuse_chunks` places precomputed chunk caches after the exact prefix, re-rotating their keys to the
@@ -57,11 +59,30 @@ def no_pause() -> None:
 @dataclass(slots=True)
 class Fused:
     cache: KVCache  # the whole prompt, positions 0..T-1
-    logits: torch.Tensor  # (vocab,) float32, next-token logits after the last prompt token
+    hidden: torch.Tensor  # (hidden,) the last prompt token's output, before the final norm
+    head: Callable[[torch.Tensor], torch.Tensor]  # (rows, hidden) -> (rows, vocab) logits: `Decoder.logits`
     recomputed_token_layers: int = 0  # sum over layers of reused tokens that were recomputed
     selected: list[torch.Tensor] = field(default_factory=list)  # blend: chunk-token indices per layer
     # the buffers `cache` views, `room` tokens longer: decoding appends to them in place, with no copy
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    _logits: list[torch.Tensor] = field(default_factory=list)  # `logits`, once computed
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(vocab,) float32 next-token logits after the last prompt token, computed on first use."""
+        return self.lazy_logits()()
+
+    def lazy_logits(self) -> Callable[[], torch.Tensor]:
+        """A callable that returns `logits` (computed at most once) and holds only the hidden state, not
+        the cache: what a finished Generation keeps."""
+        hidden, head, memo = self.hidden, self.head, self._logits
+
+        def get() -> torch.Tensor:
+            if not memo:
+                memo.append(head(hidden[None])[0])
+            return memo[0]
+
+        return get
 
 
 def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +93,12 @@ def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) ->
     return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
 
 
-def _fused(k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, logits: torch.Tensor, room: int,
+def _fused(model: Decoder, k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, h: torch.Tensor, room: int,
            recomputed: int = 0, selected: list[torch.Tensor] | None = None) -> Fused:
-    """The first `total` tokens of the buffers as the prompt's cache; with room, the buffers ride along."""
+    """The first `total` tokens of the buffers as the prompt's cache, and h (1, hidden) the last token's
+    output; with room, the buffers ride along."""
     cache = KVCache(k_buf[:, :, :total], v_buf[:, :, :total], torch.arange(total))
-    return Fused(cache, logits, recomputed, selected or [], (k_buf, v_buf) if room else None)
+    return Fused(cache, h[-1], model.logits, recomputed, selected or [], (k_buf, v_buf) if room else None)
 
 
 def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int,
@@ -125,7 +147,7 @@ def prefill(
     k_buf, v_buf = _buffers(model.cfg, end, model.compute_dtype, room)
     _copy_in(parts, k_buf, v_buf)
     h = _run(model, ids, k_buf, v_buf, start, pause)
-    return _fused(k_buf, v_buf, end, model.logits(h)[0], room)
+    return _fused(model, k_buf, v_buf, end, h, room)
 
 
 def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor) -> int:
@@ -337,4 +359,4 @@ def fuse_chunks(
     finally:
         if own_loader and loader is not None:
             loader.close()
-    return _fused(k_buf, v_buf, total, model.logits(h)[0], room, recomputed, selected)
+    return _fused(model, k_buf, v_buf, total, h, room, recomputed, selected)
