@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads
     import torch
     from torch import nn
 
+    from kvfuse.config import ModelConfig
     from kvfuse.model import Decoder
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -58,26 +59,60 @@ def load_dtype(precision: str) -> torch.dtype:
     return getattr(torch, LOAD_DTYPE[check(precision)])  # type: ignore[no-any-return]
 
 
+def parts(cfg: ModelConfig) -> list[str]:
+    """The model's parts, in the order the loader reads and converts them one at a time (`convert`):
+    the embedding table first (the largest), every layer, the final norm, an untied head."""
+    head = [] if cfg.tie_embeddings else ["lm_head"]
+    return ["embed_tokens", *(f"layers.{i}" for i in range(cfg.num_layers)), "norm", *head]
+
+
 def apply(model: Decoder, precision: str) -> Decoder:
     """Convert a loaded float model to the precision, in place (and return it)."""
+    check(precision)
+    for part in parts(model.cfg):
+        convert(model, part, precision)
+    return model
+
+
+def convert(model: Decoder, part: str, precision: str) -> None:
+    """Convert one part of a float model (`parts`) to the precision, in place.
+
+    - fp32: the part in float32; a layer's linears prepacked (`_pack`).
+    - int8: its linears (an untied head too) in int8 rows, a tied table an `Int8Embedding`; what is
+      left (norms, an untied table, biases) in float32.
+    - bf16: the part in bfloat16.
+    Float tensors kept from the checkpoint (norms, biases) are copied: as views of the checkpoint
+    file's pages they would keep every page of the file read so far resident. fp32's embedding table
+    and untied head stay views (they are read whole, and shared with other processes that map the
+    same file)."""
     import torch
     from torch import nn
 
-    from kvfuse.quant import Int8Embedding
+    from kvfuse.quant import Int8Embedding, Int8Linear
 
-    check(precision)
-    if precision == "fp32":
-        return _pack(model.float())
-    if precision == "int8":  # rounded from the float weights; an untied table is only looked up, in float32
-        _quantize_linears(model)
-        if model.cfg.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
-            model.embed_tokens = Int8Embedding(model.embed_tokens)
-        model.float()  # what is left (norms, an untied table, biases) in float32
-        for module in model.modules():  # float32 tensors may be views of the checkpoint file's pages, which
-            for p in module.parameters(recurse=False):  # would keep the whole file resident: copy them
+    parent_name, _, attr = part.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    module = getattr(parent, attr)
+    if precision == "bf16":
+        module.to(torch.bfloat16)
+        return
+    if precision == "int8":
+        if isinstance(module, nn.Linear):  # an untied head
+            setattr(parent, attr, Int8Linear(module))
+        elif part == "embed_tokens":  # tied: the head is the same int8 matrix; untied: looked up in float32
+            if model.cfg.tie_embeddings and isinstance(module, nn.Embedding):
+                setattr(parent, attr, Int8Embedding(module))
+        else:
+            _replace_linears(module, lambda name, lin: Int8Linear(lin))
+    else:
+        module.float()
+        if part.startswith("layers."):
+            _pack(module, model.block(0).self_attn.q_size)
+    module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
+    if part not in ("embed_tokens", "lm_head") or precision == "int8":
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
                 p.data = p.data.clone()
-        return model
-    return model.to(torch.bfloat16)
 
 
 def of(model: Decoder) -> str:
@@ -99,22 +134,16 @@ def rounding(model: Decoder) -> torch.dtype:
     return torch.float32 if of(model) == "fp32" else torch.bfloat16
 
 
-def _pack(model: Decoder) -> Decoder:
-    """Prepack a float32 model's layer weights for oneDNN (`packed.py`): decoding steps read them about
-    twice as fast. Where this PyTorch has no oneDNN, the plain layers stay. A stacked q/k/v weight is
-    packed in two parts (q; k and v), which `Decoder.query` and `key_value` run alone."""
+def _pack(layer: nn.Module, q_size: int) -> None:
+    """Prepack a float32 layer's linear weights for oneDNN (`packed.py`): decoding steps read them about
+    twice as fast. Where this PyTorch has no oneDNN, or the layer is not on the CPU, the plain layers
+    stay. A stacked q/k/v weight is packed in two parts (q; k and v), which `Decoder.query` and
+    `key_value` run alone."""
     from kvfuse.packed import PackedLinear, available
 
-    if available() and model.norm.weight.device.type == "cpu":
-        q_rows = (model.block(0).self_attn.q_size,)
-        _replace_linears(model.layers, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else ()))
-    return model
-
-
-def _quantize_linears(model: Decoder) -> None:
-    from kvfuse.quant import Int8Linear
-
-    _replace_linears(model, lambda name, lin: Int8Linear(lin))
+    if available() and next(layer.parameters()).device.type == "cpu":
+        q_rows = (q_size,)
+        _replace_linears(layer, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else ()))
 
 
 def _replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:
