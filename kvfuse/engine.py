@@ -154,8 +154,9 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, req: Request, mode: Mode = "full", ratio: Ratio = None, room: int = 0) -> Prefilled:
-        """Build the request's KV cache and first-token logits; `room` reserves buffer space for that
-        many decoded tokens, so decoding appends in place."""
+        """Build the request's KV cache and the last prompt token's hidden state (`Fused.logits` gives
+        the first token's logits); `room` reserves buffer space for that many decoded tokens, so
+        decoding appends in place."""
         return self._prefill(req, self.validate(req, mode, ratio), ratio, room)
 
     def _prefill(self, req: Request, fuser: Fuser, ratio: Ratio, room: int, pause: fuse.Pause = fuse.no_pause
@@ -264,8 +265,8 @@ class Engine:
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
             stop = set()
-        head = self.greedy_head() if _greedy(params) and not record_logits else None
-        if head is not None:  # only the argmax is needed: the screen finds it without reading the float head
+        head = self._greedy_head if _greedy(params) and not record_logits else None  # built already: not in TTFT
+        if isinstance(head, GreedyHead):  # only the argmax is needed: the screen finds it without the float head
             first = head.argmax(self.model.norm(pre.fused.hidden[None])[0])
         else:
             first = sample(pre.fused.logits, params, gen)

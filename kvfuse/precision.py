@@ -66,25 +66,17 @@ def parts(cfg: ModelConfig) -> list[str]:
     return ["embed_tokens", *(f"layers.{i}" for i in range(cfg.num_layers)), "norm", *head]
 
 
-def apply(model: Decoder, precision: str) -> Decoder:
-    """Convert a loaded float model to the precision, in place (and return it)."""
-    check(precision)
-    for part in parts(model.cfg):
-        convert(model, part, precision)
-    return model
-
-
 def convert(model: Decoder, part: str, precision: str) -> None:
     """Convert one part of a float model (`parts`) to the precision, in place.
 
     - fp32: the part in float32; a layer's linears prepacked (`_pack`).
     - int8: its linears (an untied head too) in int8 rows, a tied table an `Int8Embedding`; what is
       left (norms, an untied table, biases) in float32.
-    - bf16: the part in bfloat16.
-    Float tensors kept from the checkpoint (norms, biases) are copied: as views of the checkpoint
-    file's pages they would keep every page of the file read so far resident. fp32's embedding table
-    and untied head stay views (they are read whole, and shared with other processes that map the
-    same file)."""
+    - bf16: the part in bfloat16 (every tensor a converted copy).
+    fp32 and int8 copy the float tensors they keep from the checkpoint (norms, biases): as views of
+    the checkpoint file's pages they would keep every page of the file read so far resident. fp32's
+    embedding table and untied head stay views (they are read whole, and shared with other processes
+    that map the same file)."""
     import torch
     from torch import nn
 

@@ -106,12 +106,10 @@ def _return_freed_memory() -> None:
     frees a float copy of every weight it converts or stacks, and glibc keeps much of that in its heap:
     200-300 MB of RSS after an int8 load, which the model never uses again."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 

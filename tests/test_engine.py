@@ -171,7 +171,7 @@ def test_self_check_catches_a_blend_that_is_not_exact(tiny_models, monkeypatch) 
 
     def off_by_a_bit(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = real(*args, **kwargs)
-        return replace(out, hidden=out.hidden + 0.5, _logits=[])
+        return replace(out, hidden=out.hidden + 0.5)
 
     monkeypatch.setattr(fuse, "blend", off_by_a_bit)
     e = Engine(lm.model, lm.fingerprint)

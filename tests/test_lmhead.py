@@ -81,6 +81,7 @@ def test_a_greedy_first_token_reads_no_float_head_until_its_logits_are_asked_for
 
     e = tiny_engines["llama"]
     plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
+    assert e.greedy_head() is not None  # built (a server builds it at start); never inside a request's TTFT
     ids = tuple(int(t) for t in torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(7)))
     req = Request(prefix=ids[:10], chunks=(ids[10:22], ids[22:35]), suffix=ids[35:])
     want = plain.generate(req, mode, params=SamplingParams(max_tokens=1))
@@ -93,3 +94,22 @@ def test_a_greedy_first_token_reads_no_float_head_until_its_logits_are_asked_for
     assert torch.allclose(got.first_logits, want.first_logits, atol=1e-5) and calls == [1]  # computed once
     sampled = e.generate(req, mode, params=SamplingParams(max_tokens=1, temperature=0.8, seed=1))
     assert len(sampled.tokens) == 1 and len(calls) == 2  # sampling needs the logits themselves
+
+
+def test_a_fresh_engine_builds_no_screen_inside_a_one_token_request(tiny_models, monkeypatch) -> None:
+    """Building the screen takes seconds on a real model: a request never pays for it in its TTFT (its first
+    token reads the float head until the screen exists); decoding steps build it."""
+    from kvfuse.engine import Engine, Request
+    from kvfuse.sampling import SamplingParams
+    from kvfuse.weights import load_model
+
+    built: list[int] = []
+    real = GreedyHead.build
+    monkeypatch.setattr(GreedyHead, "build", staticmethod(lambda w: built.append(1) or real(w)))
+    lm = load_model(tiny_models["llama"][0])
+    e = Engine(lm.model, lm.fingerprint, self_check=False)
+    req = Request(prefix=(1, 5, 9, 13, 17), suffix=(21, 25))
+    one = e.generate(req, "full", params=SamplingParams(max_tokens=1))
+    assert built == [] and one.tokens == [int(one.first_logits.argmax())]
+    more = e.generate(req, "full", params=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert built == [1] and more.tokens[0] == one.tokens[0]

@@ -65,24 +65,26 @@ class Fused:
     selected: list[torch.Tensor] = field(default_factory=list)  # blend: chunk-token indices per layer
     # the buffers `cache` views, `room` tokens longer: decoding appends to them in place, with no copy
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    _logits: list[torch.Tensor] = field(default_factory=list)  # `logits`, once computed
+    _logits: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)  # `logits`, once computed
 
     @property
     def logits(self) -> torch.Tensor:
         """(vocab,) float32 next-token logits after the last prompt token, computed on first use."""
-        return self.lazy_logits()()
+        return _memo_logits(self.head, self.hidden, self._logits)
 
     def lazy_logits(self) -> Callable[[], torch.Tensor]:
         """A callable that returns `logits` (computed at most once) and holds only the hidden state, not
         the cache: what a finished Generation keeps."""
-        hidden, head, memo = self.hidden, self.head, self._logits
+        head, hidden, memo = self.head, self.hidden, self._logits
+        return lambda: _memo_logits(head, hidden, memo)
 
-        def get() -> torch.Tensor:
-            if not memo:
-                memo.append(head(hidden[None])[0])
-            return memo[0]
 
-        return get
+def _memo_logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, memo: list[torch.Tensor]
+                 ) -> torch.Tensor:
+    if not memo:
+        with torch.inference_mode():  # asked for after the prefill, perhaps outside the engine's inference mode
+            memo.append(head(hidden[None])[0])
+    return memo[0]
 
 
 def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
