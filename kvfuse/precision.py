@@ -96,10 +96,8 @@ def convert(model: Decoder, part: str, precision: str) -> None:
                 setattr(parent, attr, Int8Embedding(module))
         else:
             _replace_linears(module, lambda name, lin: Int8Linear(lin))
-    else:
-        module.float()
-        if part.startswith("layers."):
-            _pack(module, model.block(0).self_attn.q_size)
+    elif part.startswith("layers."):
+        _pack(module.float(), model.block(0).self_attn.q_size)  # packed as float32
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
     if part not in ("embed_tokens", "lm_head") or precision == "int8":
         for m in module.modules():
