@@ -35,7 +35,8 @@ def _engines(model: str | None, precisions: list[str]):  # type: ignore[no-untyp
     from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(model)
-    return {p: Engine.load(path, precision=p) for p in precisions}, Tokenizer(path)
+    tok = Tokenizer(path)  # first, as `runtime.open_engine` does: its parsing peak comes before the weights
+    return {p: Engine.load(path, precision=p) for p in precisions}, tok
 
 
 def rss(model: str | None, precision: str, steps: int) -> None:

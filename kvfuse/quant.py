@@ -15,6 +15,8 @@ head is the same int8 matrix (Gemma 3's 262k x 640 table is 168 MB instead of 67
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,10 +28,20 @@ KERNEL_ROWS = 96  # products of at most this many rows run the int8 kernel; long
 QUANT_ROWS = 4096  # rows quantised at a time: the float temporaries of a 262k-row table stay small
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Rows(Protocol):
+    """A (rows, cols) float weight read a block of rows at a time: a tensor, or a checkpoint's table
+    that the loader reads from its file block by block (`weights.FileRows`), never whole."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, rows: slice) -> torch.Tensor: ...
+
+
+def quantize_rows(weight: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 rows, bfloat16 scale per row) of a (rows, cols) weight, rounded to nearest; done in blocks
     of rows, which gives every row the same result as all at once."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
+    q = torch.empty(tuple(weight.shape), dtype=torch.int8)
     scale = torch.empty(weight.shape[0], dtype=ACT_DTYPE)
     for at in range(0, weight.shape[0], QUANT_ROWS):
         w = weight[at : at + QUANT_ROWS].detach().float()
@@ -67,7 +79,7 @@ class Int8Rows(nn.Module):
     q: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: Rows) -> None:
         super().__init__()
         q, scale = quantize_rows(weight)
         self.register_buffer("q", q)
@@ -105,9 +117,10 @@ class Int8Linear(Int8Rows):
 class Int8Embedding(Int8Rows):
     """An embedding table in int8 rows that is also the (tied) LM head (`linear`)."""
 
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__(embedding.weight)
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+    def __init__(self, weight: Rows) -> None:
+        """From the float table (an nn.Embedding's weight, or its rows in the checkpoint file)."""
+        super().__init__(weight)
+        self.num_embeddings, self.embedding_dim = self.q.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids, dequantised: (..., dim) in float32."""

@@ -50,8 +50,9 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
 
     path = Path(resolve_model_path(model))
     kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
+    tok = Tokenizer(path)  # first: parsing its file takes a few hundred MB for a moment, before the weights are in
     engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv)
-    return Opened(engine, Tokenizer(path), path)
+    return Opened(engine, tok, path)
 
 
 def attach_controller(engine: Engine, store: Path | None, measure: bool = True, floor: float = DEFAULT_FLOOR,

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from kvfuse.config import CheckpointError, ModelConfig
+from kvfuse.heap import return_freed_memory
 from kvfuse.model import Decoder, stack_checkpoint
-from kvfuse.precision import DEFAULT_PRECISION, load_dtype
+from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype
 from kvfuse.precision import convert as convert_part
 from kvfuse.precision import fingerprint as precision_fingerprint
 from kvfuse.precision import parts as precision_parts
@@ -90,27 +91,20 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     # one part at a time (`precision.parts`), each read from a mapping of the file that closes once the
     # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
+        if by_rows(cfg, part, precision):
+            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype))
+            continue
         state = _read_part(index, part, dtype)
         stack_checkpoint(state)
         model.get_submodule(part).load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
         convert_part(model, part, precision)
     model.eval().requires_grad_(False)
-    _return_freed_memory()
+    # loading frees a float copy of every weight it converts or stacks: 200-300 MB of an int8 load's
+    # RSS that glibc would otherwise keep in its heap
+    return_freed_memory()
     return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
                        precision=precision)
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere). Loading
-    frees a float copy of every weight it converts or stacks, and glibc keeps much of that in its heap:
-    200-300 MB of RSS after an int8 load, which the model never uses again."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _tensor_index(files: list[Path]) -> dict[str, tuple[Path, str]]:
@@ -130,6 +124,24 @@ def _stacked_names(index: dict[str, tuple[Path, str]]) -> list[str]:
     state = {name: torch.empty(0, device="meta") for name in index}
     stack_checkpoint(state)
     return list(state)
+
+
+class FileRows:
+    """A (rows, cols) checkpoint tensor read a block of rows at a time (`quant.Rows`), each block from a
+    mapping of the file that closes after it: only the block's pages are ever resident."""
+
+    def __init__(self, file: Path, name: str, dtype: torch.dtype) -> None:
+        from safetensors import safe_open
+
+        self.file, self.name, self.dtype = file, name, dtype
+        with safe_open(str(file), framework="pt") as fh:
+            self.shape = tuple(fh.get_slice(name).get_shape())
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="pt") as fh:
+            return fh.get_slice(self.name)[rows].to(self.dtype)
 
 
 def _read_part(index: dict[str, tuple[Path, str]], part: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse import packed, precision, quant
+from kvfuse import packed, precision, quant, weights
 from kvfuse.engine import Request
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
@@ -36,7 +36,7 @@ def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ign
     assert torch.allclose(layer(long), long @ deq.T + lin.bias, rtol=1e-5, atol=1e-5)
     emb = torch.nn.Embedding(48, 48)
     emb.weight.data = w
-    table = quant.Int8Embedding(emb)
+    table = quant.Int8Embedding(emb.weight)
     ids = torch.tensor([3, 0, 47, 3])
     assert table(ids).dtype == torch.float32 and torch.allclose(table(ids), deq[ids], rtol=1e-6, atol=0)
     assert table.float().scale.dtype == quant.ACT_DTYPE  # casting the model keeps the kernel's scale dtype
@@ -45,6 +45,20 @@ def test_int8_rows_are_the_dequantised_weight(monkeypatch) -> None:  # type: ign
     odd_layer = quant.Int8Linear(odd)
     odd_deq = quant.dequantize(odd_layer.q, odd_layer.scale, torch.float32)
     assert torch.allclose(odd_layer(x[:, :40]), x[:, :40] @ odd_deq.T + odd.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_table_is_quantised_from_the_file_a_block_of_rows_at_a_time(tiny_models, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    root = tiny_models["gemma3"][0]  # a tied table
+    monkeypatch.setattr(quant, "QUANT_ROWS", 7)
+    reads: list[slice] = []
+    read = weights.FileRows.__getitem__
+    monkeypatch.setattr(weights.FileRows, "__getitem__", lambda self, rows: reads.append(rows) or read(self, rows))
+    table = load_model(root, "int8").model.embed_tokens
+    whole = load_model(root, "fp32").model.embed_tokens.weight
+    q, scale = quant.quantize_rows(whole)
+    assert isinstance(table, quant.Int8Embedding) and (table.num_embeddings, table.embedding_dim) == whole.shape
+    assert torch.equal(table.q, q) and torch.equal(table.scale, scale)  # the same as quantising it whole
+    assert [(r.start, r.stop) for r in reads] == [(a, a + 7) for a in range(0, whole.shape[0], 7)]
 
 
 def test_a_precision_is_part_of_the_fingerprint(tiny_models) -> None:

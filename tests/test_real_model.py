@@ -267,10 +267,36 @@ print(json.dumps({"growth": rss("VmHWM") - before, "kept": rss("VmRSS") - before
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the kernel's RSS counters")
 def test_real_int8_load_never_holds_the_float_checkpoint(real) -> None:  # type: ignore[no-untyped-def]
-    """Loading converts one part at a time from a mapping that closes after it: an int8 load's peak RSS
-    grows by less than the float32 checkpoint's size (reading it whole first grew by 1.36x that), and
-    what stays is about the int8 model (257 MB), not the file's pages or the heap's freed copies."""
+    """Loading converts one part at a time from a mapping that closes after it, and the tied table a
+    block of rows at a time: an int8 load's peak RSS grows by well under the float32 checkpoint's size
+    (measured 0.39x; reading it whole first grew by 1.36x, and reading the 671 MB table whole by 0.89x),
+    and what stays is about the int8 model (257 MB), not the file's pages or the heap's freed copies."""
     out = subprocess.run([sys.executable, "-c", LOAD_RSS, "int8"], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["growth"] < got["file"], got
-    assert got["kept"] < 0.5 * got["file"], got
+    assert got["growth"] < 0.6 * got["file"], got
+    assert got["kept"] < 0.3 * got["file"], got
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m-instruct"])
+def test_real_tokenizer_reads_what_the_models_own_class_reads(name: str) -> None:
+    """`Tokenizer` reads tokenizer.json with the generic fast class (Gemma's own class rebuilds its
+    vocabulary in Python first, 150 MB more); the oracle is transformers' AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    ours, oracle = Tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    case = _cases()[3]
+    text = "\n\n".join(c["text"] for c in case["ctxs"]) + " Ünïcödé 日本語 emoji 🙂\t  tabs  and  spaces \n"
+    ids = oracle.encode(text, add_special_tokens=False)
+    assert ours.encode(text) == ids
+    got_ids, spans = ours.encode_offsets(text)
+    want = oracle(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert got_ids == ids and spans == [tuple(s) for s in want["offset_mapping"]]
+    assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    assert ours.bos_id == oracle.bos_token_id
+    assert [ours.token_text(i) for i in ids[:200]] == oracle.convert_ids_to_tokens(ids[:200])
+    assert ours.chat_template == (oracle.chat_template or None)
+    if ours.chat_template:
+        chat = [{"role": "user", "content": case["question"]}]
+        assert ours.render_chat(chat, True) == oracle.apply_chat_template(chat, tokenize=False,
+                                                                          add_generation_prompt=True)

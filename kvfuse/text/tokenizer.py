@@ -11,9 +11,17 @@ class Tokenizer:
     """A thin wrapper over the checkpoint's HF tokenizer (tokenizer.json)."""
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        self._tok: Any = AutoTokenizer.from_pretrained(str(path))
+        from kvfuse.heap import return_freed_memory
+
+        # A checkpoint with a tokenizer.json is read by the generic fast class, straight from that file.
+        # A model's own class may first rebuild the vocabulary in Python: transformers 5's GemmaTokenizer
+        # keeps Gemma 3's 262k tokens and merges as Python objects, 150 MB more RSS, for the same ids
+        # (tested against AutoTokenizer). Parsing the file leaves about 300 MB of freed heap behind.
+        whole = (Path(path) / "tokenizer.json").is_file()
+        self._tok: Any = (PreTrainedTokenizerFast if whole else AutoTokenizer).from_pretrained(str(path))
+        return_freed_memory()
         self.bos_id: int | None = self._tok.bos_token_id
 
     def encode(self, text: str) -> list[int]:
