@@ -286,6 +286,35 @@ class Decoder(nn.Module):
             out = (probs @ v).reshape(cfg.num_heads, tq, cfg.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
+    def attention_to(
+        self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: int, hi: int,
+        over_range: bool = False,
+    ) -> torch.Tensor:
+        """The attention probabilities (heads, Tq, hi - lo) that `attend` applies to keys lo:hi, normalised
+        over every key: `attention_weights(...)[:, :, lo:hi]` (its oracle); with `over_range`, normalised
+        over keys lo:hi alone (each query's attention shared out among them). For a few queries over many
+        keys (query-aware selection): each key head's scores are one matmul for its group of query heads,
+        the softmax's normaliser comes from the scores of lo:hi and of the few other keys, and a mask is
+        applied only where it hides something."""
+        cfg = self.cfg
+        qg = q.float().reshape(k.shape[0], -1, q.shape[-1])  # the query heads that share a key head, stacked
+
+        def scores(keys: slice) -> torch.Tensor:
+            s = (qg @ k[:, keys].float().transpose(1, 2)).view(q.shape[0], q.shape[1], -1) * cfg.query_scale
+            if cfg.attn_softcap is not None:
+                s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+            mask = attention_mask(q_pos, k_pos[keys], cfg.window(i))
+            return s if bool(mask.all()) else s.masked_fill(~mask, float("-inf"))
+
+        inside = scores(slice(lo, hi))
+        if over_range:  # a query that sees none of lo:hi gives it nothing (softmax would give NaN)
+            return torch.softmax(inside, -1).nan_to_num_(0.0)
+        norm = inside.logsumexp(-1)
+        for rest in (slice(0, lo), slice(hi, k.shape[1])):
+            if rest.stop > rest.start:
+                norm = torch.logaddexp(norm, scores(rest).logsumexp(-1))
+        return torch.exp(inside - norm[..., None])
+
     def attention_weights(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor
     ) -> torch.Tensor:

@@ -115,6 +115,35 @@ def test_attend_all_equals_attend_when_every_key_is_visible(tiny_models, family:
     assert not torch.allclose(model.attend_all(0, q, k[:, :2], v[:, :2]), want, atol=1e-3)  # it reads the keys given
 
 
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "llama"])
+def test_attention_to_a_range_of_keys_is_that_slice_of_the_weights(tiny_models, family: str, softcap) -> None:
+    """The fast path of query-aware selection against its oracle, `attention_weights`: queries late and
+    in the middle (so the causal mask, and on sliding layers the window, hides keys inside the range),
+    ranges at either end and inside."""
+    import dataclasses
+
+    model = load_model(tiny_models[family][0]).model
+    model.cfg = dataclasses.replace(model.cfg, attn_softcap=softcap)
+    cfg, g = model.cfg, torch.Generator().manual_seed(11)
+    k_pos = torch.arange(48)
+    q_pos = torch.tensor([20, 40, 44, 45, 47])
+    k = torch.randn(cfg.num_kv_heads, 48, cfg.head_dim, generator=g) * 3
+    q = torch.randn(cfg.num_heads, len(q_pos), cfg.head_dim, generator=g) * 3
+    for i in range(cfg.num_layers):
+        full = model.attention_weights(i, q, q_pos, k, k_pos)
+        for lo, hi in ((0, 48), (0, 10), (5, 42), (30, 48)):
+            got = model.attention_to(i, q, q_pos, k, k_pos, lo, hi)
+            assert got.shape == (cfg.num_heads, len(q_pos), hi - lo)
+            assert torch.allclose(got, full[:, :, lo:hi], atol=1e-6, rtol=1e-5), (i, lo, hi)
+            shared = model.attention_to(i, q, q_pos, k, k_pos, lo, hi, over_range=True)
+            want = full[:, :, lo:hi] / full[:, :, lo:hi].sum(-1, keepdim=True)
+            seen = full[:, :, lo:hi].sum(-1) > 0  # a query may see none of the range (its own key comes later)
+            assert torch.allclose(shared[seen], want[seen], atol=1e-6, rtol=1e-5), (i, lo, hi)
+            assert torch.equal(shared[~seen], torch.zeros_like(shared[~seen]))
+    assert not torch.allclose(model.attention_to(0, q, q_pos, k, k_pos, 5, 42), full[:, :, 6:43], atol=1e-3)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_row_plan_changes_nothing(tiny_models, family: str) -> None:
     """project and attend with a RowPlan (cos/sin and masks built once, reused over layers) give bit for

@@ -81,9 +81,8 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     def observe(i: int, q: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> None:
         mine = q_rows >= n  # the suffix's queries
         if i in counted and bool(mine.any()):
-            probs = model.attention_weights(i, q[:, mine], q_rows[mine], keys, k_pos)[:, :, start:n]  # (heads, S, C)
-            if weigh == "share":  # every head and query has one vote over the chunk tokens
-                probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+            # (heads, S, C); "share": normalised over the chunk tokens, so every head and query has one vote
+            probs = model.attention_to(i, q[:, mine], q_rows[mine], keys, k_pos, start, n, weigh == "share")
             score.add_(probs.sum(dim=(0, 1)))
 
     reuse = [0] * cfg.num_layers
