@@ -85,8 +85,8 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     """Convert one part of a float model (`parts`) to the precision, in place.
 
     - fp32: the part in float32; a layer's linears prepacked (`_pack`).
-    - int8: its linears (an untied head too) in int8 rows, a tied table an `Int8Embedding`; what is
-      left (norms, an untied table, biases) in float32.
+    - int8: its linears (an untied head too) in int8 rows; what is left (norms, an untied table,
+      biases) in float32. A tied table is not converted here: `by_rows` sends it to `convert_rows`.
     - bf16: the part in bfloat16 (every tensor a converted copy).
     fp32 and int8 copy the float tensors they keep from the checkpoint (norms, biases): as views of
     the checkpoint file's pages they would keep every page of the file read so far resident. fp32's
@@ -95,7 +95,7 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     import torch
     from torch import nn
 
-    from kvfuse.quant import Int8Embedding, Int8Linear
+    from kvfuse.quant import Int8Linear
 
     parent_name, _, attr = part.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -106,10 +106,7 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     if precision == "int8":
         if isinstance(module, nn.Linear):  # an untied head
             setattr(parent, attr, Int8Linear(module))
-        elif part == "embed_tokens":  # tied: the head is the same int8 matrix; untied: looked up in float32
-            if model.cfg.tie_embeddings and isinstance(module, nn.Embedding):
-                setattr(parent, attr, Int8Embedding(module.weight))
-        else:
+        else:  # a layer's linears (a table has none: a tied one comes from `convert_rows`, an untied one stays)
             _replace_linears(module, lambda name, lin: Int8Linear(lin))
     elif part.startswith("layers."):
         _pack(module.float(), model.block(0).self_attn.q_size)  # packed as float32
