@@ -182,6 +182,88 @@ def test_query_aware_wide_narrows_by_deviation(models, family: str) -> None:
         fuse.QueryAware(wide=1.5)
 
 
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_pick_spends_at_most_its_share_of_work_on_the_best_tokens_per_unit(scores: list[float], share: float,
+                                                                          seed: int) -> None:
+    """Without work, `pick` is the top share of tokens by score. With work, it takes tokens in order of
+    score per unit of work while the share of the total lasts: within budget, no chosen token is worth
+    less per unit than one left out, and the best token left out would not have fitted."""
+    from kvfuse.fuse.queryaware import pick
+
+    score = torch.tensor(scores, dtype=torch.float64)
+    n = score.shape[0]
+    top = pick(score, share)
+    assert top.shape[0] == min(n, math.ceil(share * n - 1e-9)) and bool((top[1:] > top[:-1]).all())
+    out = torch.ones(n, dtype=torch.bool).index_fill(0, top, False)
+    if top.shape[0] and bool(out.any()):
+        assert float(score[top].min()) >= float(score[out].max())
+    work = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.1
+    chosen = pick(score, share, work)
+    assert bool((chosen[1:] > chosen[:-1]).all())
+    budget = share * float(work.sum())
+    assert float(work[chosen].sum()) <= budget * (1 + 1e-9)
+    left = torch.ones(n, dtype=torch.bool)
+    left[chosen] = False
+    if chosen.numel() and bool(left.any()):
+        assert float((score[chosen] / work[chosen]).min()) >= float((score[left] / work[left]).max()) - 1e-12
+    if bool(left.any()):
+        density = torch.where(left, score / work, torch.tensor(-1.0, dtype=torch.float64))
+        best = int(density.argmax())
+        assert float(work[chosen].sum()) + float(work[best]) > budget * (1 + 1e-9)
+    assert pick(score, share, torch.ones(n, dtype=torch.float64)).shape[0] == min(n, math.floor(share * n * (1 + 1e-9)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recompute_work_grows_with_the_keys_a_token_sees(models, family: str) -> None:
+    """A token's recompute work is the same matmuls at every position plus attention over the keys it
+    sees: one more position adds one key on each full-attention layer, and nothing on a sliding layer
+    past its window."""
+    from kvfuse.fuse.queryaware import recompute_work
+
+    cfg = models[family].cfg
+    pos = torch.arange(0, 40)
+    work = recompute_work(cfg, pos)
+    per_key = 2 * cfg.num_heads * cfg.head_dim
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    far = max(w or 0 for w in windows)
+    step = work[1:] - work[:-1]
+    full_layers = sum(w is None for w in windows)
+    assert torch.equal(step[far:], torch.full_like(step[far:], per_key * full_layers))
+    assert bool((step >= 0).all()) and float(work[0]) > 0
+    assert float(work[0]) == cfg.num_layers * (per_key + cfg.hidden_size * cfg.head_dim * (
+        2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_query_aware_by_work_spends_its_share_of_work(models, family: str) -> None:
+    """`cost=work`: the fixed set recomputed on every layer is `pick` by score per unit of work, within
+    the ratio's share of the chunk tokens' work; it differs from the top tokens by score where late
+    tokens score high; at ratio 1.0 it is still full prefill."""
+    from kvfuse.fuse.queryaware import pick, recompute_work, suffix_attention
+    from kvfuse.fuse.registry import IN_PLACE
+
+    m = models[family]
+    prefix, chunks, suffix = _layout(7)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    n = sum(len(c) for c in chunks)
+    score, _ = suffix_attention(m, layout)
+    work = recompute_work(m.cfg, torch.arange(len(prefix), len(prefix) + n))
+    out = fuse.query_aware(m, layout, 0.3, cost="work")
+    chosen = pick(score, 0.3, work)
+    assert all(torch.equal(sel, chosen) for sel in out.selected)
+    assert float(work[chosen].sum()) <= 0.3 * float(work.sum()) * (1 + 1e-9)
+    late = score * torch.linspace(0.1, 10.0, n)  # scores that grow along the chunks: density prefers earlier
+    assert not torch.equal(pick(late, 0.3, work), pick(late, 0.3))
+    via_spec, r = fuse.parse_spec("queryaware@0.3:cost=work")
+    assert r == 0.3 and torch.equal(via_spec.fuse(m, layout, r, IN_PLACE).logits, out.logits)
+    _assert_close(fuse.query_aware(m, layout, 1.0, cost="work").logits, full.logits, f"{family} work@1", 1e-4)
+    with pytest.raises(ValueError, match="cost must be"):
+        fuse.QueryAware(cost="flops")
+
+
 def test_fuser_specs_parse_and_print_back() -> None:
     """NAME@ARG:OPTION=VALUE names a fuser with its options; spec_of prints what parse_spec reads back."""
     for spec in ("blend@0.15", "queryaware@0.2:wide=0.4:behind=head", "legolink@8:behind=head", "reuse:behind=head",

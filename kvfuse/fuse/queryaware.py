@@ -23,6 +23,10 @@ Options (`queryaware@R:option=value`):
   every layer's attention counts (a model without sliding layers: many layers, each head's vote
   matters) and "mass" where only a few full-attention layers count (Gemma 3's 3 of 18): what each
   model's calibration set measured best (docs/benchmarks.md).
+- `cost`: what the ratio R budgets. "tokens" (the default) recomputes the top R of the chunk tokens by
+  score. "work" makes R a share of the recompute work instead (`recompute_work`: a token's matmuls plus
+  its attention over the keys before it, so a late token costs more than an early one) and takes tokens
+  by score per unit of work until that share is spent.
 - `ahead`: N > 0 drafts N tokens greedily on the reused cache (one more suffix pass each, in pass 1's
   buffers) and scores by the attention of the suffix and its draft: what the answer's first tokens
   look at, at the cost of N passes over the suffix.
@@ -98,16 +102,47 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     return score, first
 
 
+def recompute_work(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """(T,) float64: the multiply-adds of recomputing tokens at these absolute positions on every layer:
+    the layer's matmuls, the same for every token, plus the attention scores and weighted values over
+    the keys the token sees (those before it, at most the window on a sliding layer)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    matmul = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+    seen = positions.to(torch.float64) + 1
+    work = torch.zeros_like(seen)
+    for i in range(cfg.num_layers):
+        window = cfg.window(i)
+        work += matmul + 2 * cfg.num_heads * d * (seen if window is None else seen.clamp(max=window))
+    return work
+
+
+def pick(score: torch.Tensor, share: float, work: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted indices of the tokens to recompute: the top `share` of them by score, or, given each
+    token's work, the best by score per unit of work until `share` of the total work is spent."""
+    n = score.shape[0]
+    if work is None:
+        k = min(n, math.ceil(share * n - 1e-9))
+        return torch.topk(score, k).indices.sort().values if k else torch.empty(0, dtype=torch.int64)
+    order = torch.argsort(score.double() / work, descending=True, stable=True)
+    spent = torch.cumsum(work[order], 0)
+    return order[spent <= share * float(work.sum()) * (1 + 1e-9)].sort().values
+
+
 def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
-                ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "auto", ahead: int = 0) -> Fused:
+                ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "auto", ahead: int = 0,
+                cost: str = "tokens") -> Fused:
     """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
     n_c = layout.chunk_tokens
     score, reused = suffix_attention(model, layout, layers, ctx, weigh, ahead)
-    k = min(n_c, math.ceil(ratio * n_c - 1e-9))
-    first = max(k, min(n_c, math.ceil(wide * n_c - 1e-9)))  # the set of the first layers (k: fixed set)
-    chosen = torch.topk(score, first).indices.sort().values if first else torch.empty(0, dtype=torch.int64)
+    work = None
+    if cost == "work":
+        start = sum(len(c) for c in layout.prefix) + int(layout.prefix_tail.shape[0])
+        work = recompute_work(model.cfg, torch.arange(start, start + n_c))
+    k = pick(score, ratio, work).shape[0]
+    chosen = pick(score, max(ratio, wide), work)  # the set of the first layers (with wide = 0: the fixed set)
+    first = chosen.shape[0]
     layers_n = model.cfg.num_layers
     keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS)  # first == k: fixed
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
@@ -131,6 +166,7 @@ class QueryAware:
     behind: str = "self"  # chunks computed behind a copy of themselves (see registry.BEHIND)
     weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "auto": by the model
     ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
+    cost: str = "tokens"  # what the ratio budgets: "tokens", or "work" (score per unit of recompute work)
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):
@@ -139,6 +175,8 @@ class QueryAware:
             raise ValueError(f"wide must be between 0 and 1, got {self.wide}")
         if self.weigh not in ("auto", "mass", "share"):
             raise ValueError(f"weigh must be 'auto', 'mass' or 'share', got {self.weigh!r}")
+        if self.cost not in ("tokens", "work"):
+            raise ValueError(f"cost must be 'tokens' or 'work', got {self.cost!r}")
         check_behind(self.behind)
 
     def for_model(self, cfg: ModelConfig) -> QueryAware:
@@ -147,7 +185,7 @@ class QueryAware:
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = self.default_ratio if ratio is None else ratio
-        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead)
+        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead, self.cost)
 
     def label(self, ratio: float | str | None) -> str:
         return self.name if ratio is None else f"{self.name}@{ratio}"
