@@ -128,15 +128,20 @@ def _fused_layout(m, prefix, caches, chunks, suffix) -> fuse.FuseLayout:  # type
     return fuse.FuseLayout.of(fuse.prefill(m, _t(prefix)).cache, caches, _t(suffix), [_t(c) for c in chunks])
 
 
+def _fused_case(m, seed: int):  # type: ignore[no-untyped-def]
+    """A layout's full prefill (the oracle) and its fused layout, chunks precomputed behind BOS."""
+    prefix, chunks, suffix = _layout(seed)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
+    return full, _fused_layout(m, prefix, caches, chunks, suffix), prefix, chunks
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_query_aware_bounds_and_selection(models, family: str) -> None:
     """queryaware@1.0 recomputes everything (full prefill); @0 is plain reuse; in between, the tokens
     recomputed on every layer are exactly the top ones by the suffix's attention over the reused cache."""
     m = models[family]
-    prefix, chunks, suffix = _layout(4)
-    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
-    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
-    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    full, layout, prefix, chunks = _fused_case(m, 4)
     _assert_close(fuse.query_aware(m, layout, 1.0).logits, full.logits, f"{family} queryaware@1", 1e-4)
     _assert_close(fuse.query_aware(m, layout, 0.0).logits, fuse.reuse(m, layout).logits, f"{family} @0", 1e-5)
     from kvfuse.fuse.queryaware import suffix_attention
@@ -164,10 +169,7 @@ def test_query_aware_wide_narrows_by_deviation(models, family: str) -> None:
     from kvfuse.fuse.queryaware import FILTER_LAYERS, suffix_attention
 
     m = models[family]
-    prefix, chunks, suffix = _layout(5)
-    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
-    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
-    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    full, layout, prefix, chunks = _fused_case(m, 5)
     n = sum(len(c) for c in chunks)
     out = fuse.query_aware(m, layout, 0.2, wide=0.6)
     score, _ = suffix_attention(m, layout)
@@ -244,10 +246,7 @@ def test_query_aware_by_work_spends_its_share_of_work(models, family: str) -> No
     from kvfuse.fuse.registry import IN_PLACE
 
     m = models[family]
-    prefix, chunks, suffix = _layout(7)
-    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
-    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
-    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    full, layout, prefix, chunks = _fused_case(m, 7)
     n = sum(len(c) for c in chunks)
     score, _ = suffix_attention(m, layout)
     work = recompute_work(m.cfg, torch.arange(len(prefix), len(prefix) + n))
@@ -368,10 +367,7 @@ def test_query_aware_weigh_and_ahead(models, family: str) -> None:
     from kvfuse.fuse.queryaware import suffix_attention
 
     m = models[family]
-    prefix, chunks, suffix = _layout(6)
-    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
-    caches = [fuse.precompute_chunk(m, (1,), c) for c in chunks]
-    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    full, layout, prefix, chunks = _fused_case(m, 6)
     plain, reused = suffix_attention(m, layout, "all", weigh="mass")
     shared, _ = suffix_attention(m, layout, "all", weigh="share")
     ahead, drafted = suffix_attention(m, layout, "all", ahead=3)

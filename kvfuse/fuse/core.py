@@ -247,6 +247,11 @@ class FuseLayout:
     def chunk_tokens(self) -> int:
         return sum(len(c) for c in self.chunks)
 
+    @property
+    def chunks_begin(self) -> int:
+        """The absolute position of the first chunk token: after the prefix and its tail."""
+        return sum(len(c) for c in self.prefix) + int(self.prefix_tail.shape[0])
+
     def chunk_starts(self) -> list[int]:
         """Where each chunk starts among the chunk tokens."""
         out, at = [], 0
@@ -293,7 +298,7 @@ def fuse_chunks(
         raise ValueError("every chunk cache needs its token ids, of the same length")
     parts = layout.prefix
     p = sum(len(c) for c in parts)
-    start = p + tail.shape[0]  # where the chunks begin
+    start = layout.chunks_begin
     n = start + n_c
     total = n + suffix.shape[0]
     if placed is None:

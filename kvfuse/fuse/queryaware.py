@@ -78,7 +78,7 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     cfg = model.cfg
     counted = counted_layers(cfg, layers)
     weigh = settle_weigh(cfg, layers, weigh)
-    start = sum(len(c) for c in layout.prefix) + int(layout.prefix_tail.shape[0])
+    start = layout.chunks_begin
     n = start + layout.chunk_tokens
     score = torch.zeros(layout.chunk_tokens)
 
@@ -136,13 +136,11 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
     n_c = layout.chunk_tokens
     score, reused = suffix_attention(model, layout, layers, ctx, weigh, ahead)
-    work = None
-    if cost == "work":
-        start = sum(len(c) for c in layout.prefix) + int(layout.prefix_tail.shape[0])
-        work = recompute_work(model.cfg, torch.arange(start, start + n_c))
-    k = pick(score, ratio, work).shape[0]
-    chosen = pick(score, max(ratio, wide), work)  # the set of the first layers (with wide = 0: the fixed set)
+    start = layout.chunks_begin
+    work = recompute_work(model.cfg, torch.arange(start, start + n_c)) if cost == "work" else None
+    chosen = pick(score, max(ratio, wide), work)  # the set of the first layers (with wide <= ratio: the fixed set)
     first = chosen.shape[0]
+    k = first if wide <= ratio else pick(score, ratio, work).shape[0]
     layers_n = model.cfg.num_layers
     keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS)  # first == k: fixed
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
