@@ -18,7 +18,7 @@ import torch
 
 from kvfuse import fuse
 from kvfuse.fuse import FuseContext, Fused, FuseLayout, Fuser
-from kvfuse.kv import KVCache, one_thread
+from kvfuse.kv import KVCache, Residual, one_thread
 from kvfuse.loader import LayerLoader, LayerSource
 from kvfuse.model import Decoder
 from kvfuse.request import Request, Salt, SaltSpan, salt_ranges
@@ -35,7 +35,8 @@ class ChunkSet:
 
     `stored[i]`: chunk i came from the store; `promote[i]`: from a later tier, so the layers read are
     put into the first tier after the request; `tier`: the slowest tier any chunk is read from;
-    `preambles`: what each of them is computed behind."""
+    `preambles`: what each of them is computed behind; `residual`: the layer whose residual stream
+    each keeps (`kv.Residual`), if the fuser asks for one."""
 
     keys: list[ChunkKey]
     sources: list[LayerSource]
@@ -44,6 +45,7 @@ class ChunkSet:
     tier: str
     lengths: list[int] = field(default_factory=list)
     preambles: tuple[tuple[int, ...], ...] = ()
+    residual: int | None = None
 
     def stored_mask(self) -> torch.Tensor:
         """(chunk tokens,) bool: the token's KV came from the store."""
@@ -147,43 +149,46 @@ class CacheManager:
         return self.preamble if preamble is None else tuple(preamble)
 
     def chunk_key(self, chunk: Sequence[int], salt: Salt | None = None,
-                  preamble: Sequence[int] | None = None) -> ChunkKey:
+                  preamble: Sequence[int] | None = None, residual: int | None = None) -> ChunkKey:
         """The store key of a chunk's cache (computed behind the preamble, by default the engine's, in the
-        KV dtype)."""
-        return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salt.key() if salt else "")
+        KV dtype; with `residual`, keeping that layer's residual stream)."""
+        return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salt.key() if salt else "",
+                         residual)
 
     def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None,
-                    preamble: Sequence[int] | None = None) -> tuple[KVCache, bool]:
+                    preamble: Sequence[int] | None = None, residual: int | None = None) -> tuple[KVCache, bool]:
         """A chunk's cache from the store, computed and stored on a miss; the flag says it was a hit."""
-        key = self.chunk_key(chunk, salt, preamble)
+        key = self.chunk_key(chunk, salt, preamble, residual)
         cache = self.store.get(key)
         if cache is not None:
             return cache, True
-        return self.compute_chunk(chunk, key, preamble), False
+        return self.compute_chunk(chunk, key, preamble, residual=residual), False
 
     def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None,
-                      pause: fuse.Pause = fuse.no_pause) -> KVCache:
-        cache = fuse.precompute_chunk(self.model, self._behind(preamble), chunk, pause=pause).to(self.kv_dtype)
+                      pause: fuse.Pause = fuse.no_pause, residual: int | None = None) -> KVCache:
+        cache = fuse.precompute_chunk(self.model, self._behind(preamble), chunk, pause=pause,
+                                      residual=residual).to(self.kv_dtype)
         self.store.put(key, cache)
         return cache
 
     def open_chunks(self, req: Request, preambles: Sequence[tuple[int, ...]] | None = None,
-                    pause: fuse.Pause = fuse.no_pause) -> ChunkSet:
+                    pause: fuse.Pause = fuse.no_pause, residual: int | None = None) -> ChunkSet:
         """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now.
 
-        `preambles`: what each chunk is computed behind (default: the engine's preamble); `pause` is
-        called between the layers of a chunk computed now."""
+        `preambles`: what each chunk is computed behind (default: the engine's preamble); `residual`:
+        the layer whose residual stream each keeps, if any; `pause` is called between the layers of a
+        chunk computed now."""
         first = self.store.tiers[0].name
         pre = tuple(preambles) if preambles is not None else (self._behind(None),) * len(req.chunks)
-        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre)
+        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre, residual)
         slowest = 0
         names = [t.name for t in self.store.tiers]
         for c, behind in zip(req.chunks, pre, strict=True):
-            key = self.chunk_key(c, req.chunk_salt, behind)
+            key = self.chunk_key(c, req.chunk_salt, behind, residual)
             opened = self.store.open(key)
             out.keys.append(key)
             if opened is None:
-                out.sources.append(self.compute_chunk(c, key, behind, pause))
+                out.sources.append(self.compute_chunk(c, key, behind, pause, residual))
                 out.stored.append(False)
                 out.promote.append(False)
                 continue
@@ -210,7 +215,7 @@ class CacheManager:
                 for i in (i for i in lazy if chunks.keys[i] == e.key or e.key is None):
                     self.store.drop_corrupt(chunks.keys[i], str(e))
                     chunks.sources[i] = self.compute_chunk(req.chunks[i], chunks.keys[i], chunks.preambles[i],
-                                                           pause)
+                                                           pause, chunks.residual)
                     chunks.stored[i] = chunks.promote[i] = False
         raise RuntimeError("every stored chunk entry was corrupt and recomputed, yet the fusion still failed")
 
@@ -219,7 +224,8 @@ class CacheManager:
         from functools import partial
 
         return [partial(self.store.promote, chunks.keys[i], [kv[i] for kv in loader.loaded],
-                        chunks.sources[i].positions) for i, p in enumerate(chunks.promote) if p]
+                        chunks.sources[i].positions, _residual(chunks.sources[i], chunks.residual))
+                for i, p in enumerate(chunks.promote) if p]
 
     def precompute(self, req: Request, fuser: Fuser, pin: bool = False) -> float:
         """Prepare the caches the fuser reads for this request; returns the seconds spent.
@@ -232,8 +238,15 @@ class CacheManager:
             self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin)
         else:
             self.precompute_prefix(req.prefix, req.salts, pin)
+            residual = fuse.residual_layer(fuser)
             for c, behind in zip(req.chunks, self.chunk_preambles(fuser, req), strict=True):
-                key = self.chunk_key(c, req.chunk_salt, behind)
+                key = self.chunk_key(c, req.chunk_salt, behind, residual)
                 if key not in self.store:  # stored in any tier is enough: the request loads it
-                    self.compute_chunk(c, key, behind)
+                    self.compute_chunk(c, key, behind, residual=residual)
         return time.perf_counter() - t0
+
+
+def _residual(source: LayerSource, layer: int | None) -> Residual | None:
+    """The source's residual stream at that layer, as a value to store with it (None: it has none)."""
+    hidden = source.residual_at(layer) if layer is not None else None
+    return Residual(layer, hidden.clone()) if layer is not None and hidden is not None else None

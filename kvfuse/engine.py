@@ -185,7 +185,7 @@ class Engine:
         tail, ids = _ids(req.prefix[n_hit:]), [_ids(c) for c in req.chunks]
         counts.reused = n_hit + req.chunk_tokens
         counts.prefilled = len(req) - counts.reused
-        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req), pause)
+        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req), pause, fuse.residual_layer(fuser))
         r, decision = self._ratio(fuser, ratio, counts.reused, chunks.tier)
 
         def layout(sources: Sequence[LayerSource]) -> FuseLayout:

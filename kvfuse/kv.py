@@ -28,29 +28,50 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+@dataclass(frozen=True, slots=True)
+class Residual:
+    """The residual stream of a cache's tokens at one layer: `hidden` (T, hidden_size) is their input to
+    layer `layer`, as the computation that made the cache had it. A chunk's cache may carry one, so that
+    a fuser can resume the chunk's tokens there (`queryaware:skip=N`) instead of from their embeddings."""
+
+    layer: int
+    hidden: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size()
+
+
 @dataclass(slots=True)
 class KVCache:
     """Keys and values of T tokens on every layer.
 
     k, v:       (layers, kv_heads, T, head_dim); keys are stored rotated to `positions`
     positions:  (T,) int64, the absolute position each key was rotated to
+    residual:   optionally, the tokens' residual stream at one layer (`Residual`)
     """
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
+    residual: Residual | None = None
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4 or self.k.shape[2] != self.positions.shape[0]:
             raise ValueError(f"inconsistent KV shapes k={tuple(self.k.shape)} v={tuple(self.v.shape)} "
                              f"positions={tuple(self.positions.shape)}")
+        r = self.residual
+        if r is not None and (r.hidden.dim() != 2 or r.hidden.shape[0] != self.k.shape[2]
+                              or not 0 < r.layer < self.k.shape[0]):
+            raise ValueError(f"a residual of shape {tuple(r.hidden.shape)} at layer {r.layer} does not fit "
+                             f"a cache of {self.k.shape[2]} tokens and {self.k.shape[0]} layers")
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * 2 + (self.residual.nbytes if self.residual else 0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,27 +86,45 @@ class KVCache:
         """K and V of layer i, (kv_heads, T, head_dim) each (the LayerSource protocol)."""
         return self.k[i], self.v[i]
 
+    def residual_at(self, layer: int) -> torch.Tensor | None:
+        """(T, hidden_size) the tokens' input to that layer, if this cache carries it (the LayerSource
+        protocol)."""
+        r = self.residual
+        return r.hidden if r is not None and r.layer == layer else None
+
     def slice(self, start: int, end: int) -> KVCache:
         """Tokens [start, end) as views (no copy)."""
-        return KVCache(self.k[:, :, start:end], self.v[:, :, start:end], self.positions[start:end])
+        r = self.residual
+        part = Residual(r.layer, r.hidden[start:end]) if r is not None else None
+        return KVCache(self.k[:, :, start:end], self.v[:, :, start:end], self.positions[start:end], part)
 
     def clone(self) -> KVCache:
-        return KVCache(self.k.clone(), self.v.clone(), self.positions.clone())
+        r = self.residual
+        return KVCache(self.k.clone(), self.v.clone(), self.positions.clone(),
+                       Residual(r.layer, r.hidden.clone()) if r is not None else None)
 
     def to(self, dtype: torch.dtype) -> KVCache:
-        if dtype == self.k.dtype:
+        """K, V and the residual in that dtype."""
+        r = self.residual
+        if dtype == self.k.dtype and (r is None or r.hidden.dtype == dtype):
             return self
-        return KVCache(self.k.to(dtype), self.v.to(dtype), self.positions)
+        return KVCache(self.k.to(dtype), self.v.to(dtype), self.positions,
+                       Residual(r.layer, r.hidden.to(dtype)) if r is not None else None)
 
     @staticmethod
     def concat(caches: list[KVCache]) -> KVCache:
-        """Concatenate along tokens (one copy)."""
+        """Concatenate along tokens (one copy); the residual is kept where every part has it at one layer."""
         if not caches:
             raise ValueError("nothing to concatenate")
         if len(caches) == 1:
             return caches[0]
+        rs = [c.residual for c in caches]
+        layers = {r.layer for r in rs if r is not None}
+        joined = Residual(layers.pop(), torch.cat([r.hidden for r in rs if r is not None])) \
+            if all(r is not None for r in rs) and len(layers) == 1 else None
         return KVCache(
             torch.cat([c.k for c in caches], 2),
             torch.cat([c.v for c in caches], 2),
             torch.cat([c.positions for c in caches]),
+            joined,
         )

@@ -28,6 +28,10 @@ class LayerSource(Protocol):
     def __len__(self) -> int: ...
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def residual_at(self, layer: int) -> torch.Tensor | None:
+        """(T, hidden_size) the chunk tokens' input to that layer, if the cache carries it (`kv.Residual`)."""
+        ...
+
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -1,4 +1,5 @@
 import errno
+import json
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kvfuse.kv import KVCache
+from kvfuse.store.base import CorruptEntryError
 from kvfuse.store.disk import DiskTier
 from kvfuse.store.memory import MemoryTier
 from kvfuse.store.tiered import TieredStore
@@ -135,3 +137,46 @@ def test_tiered_store_writes_back_and_promotes(tmp_path: Path) -> None:
     assert _same(cold.get("9abc"), c) and cold.stats.tiers_used == {"disk", "memory"}  # type: ignore[arg-type]
     assert cold.get("nope") is None and cold.stats.misses == 1  # type: ignore[arg-type]
     store.close()
+
+
+def _with_residual(c: KVCache, layer: int = 1, width: int = 5) -> KVCache:
+    from kvfuse.kv import Residual
+
+    g = torch.Generator().manual_seed(7)
+    return KVCache(c.k, c.v, c.positions, Residual(layer, torch.randn(len(c), width, generator=g)))
+
+
+def test_a_residual_stream_round_trips_and_is_verified(tmp_path: Path) -> None:
+    """A chunk entry's residual stream (kv.Residual) is stored beside its KV: read back whole, from an
+    opened entry at its layer only, promoted with the entry, and a flipped byte in it is caught."""
+    tier = DiskTier(tmp_path, model_fp="m1")
+    c = _with_residual(_cache())
+    assert tier.put("ee55", c)  # type: ignore[arg-type]
+    got = DiskTier(tmp_path, model_fp="m1").get("ee55")  # type: ignore[arg-type]
+    assert _same(got, c) and got is not None and got.residual is not None and c.residual is not None
+    assert got.residual.layer == 1 and torch.equal(got.residual.hidden, c.residual.hidden)
+    entry = tier.open("ee55")  # type: ignore[arg-type]
+    assert entry is not None and entry.residual_at(2) is None
+    assert torch.equal(entry.residual_at(1), c.residual.hidden)  # type: ignore[arg-type]
+    store = TieredStore([MemoryTier(), DiskTier(tmp_path, model_fp="m1")])
+    opened = store.open("ee55")  # type: ignore[arg-type]
+    assert opened is not None and opened.promote
+    store.promote("ee55", [opened.source.layer(i) for i in range(3)], opened.source.positions,  # type: ignore[arg-type]
+                  c.residual)
+    hot = store.tiers[0].get("ee55")  # type: ignore[arg-type]
+    assert hot is not None and hot.residual is not None and torch.equal(hot.residual.hidden, c.residual.hidden)
+    assert tier.put("ff66", _cache(seed=2))  # type: ignore[arg-type]
+    plain = tier.open("ff66")  # type: ignore[arg-type]
+    assert plain is not None and plain.residual_at(1) is None  # an entry without one
+    path = tier.info("ee55").path  # type: ignore[arg-type,union-attr]
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start, _ = json.loads(data[8 : 8 + n])["residual"]["data_offsets"]
+    data[8 + n + start + 3] ^= 0xFF  # a byte of the residual's data
+    path.write_bytes(bytes(data))
+    damaged = DiskTier(tmp_path, model_fp="m1")
+    entry = damaged.open("ee55")  # type: ignore[arg-type]
+    assert entry is not None
+    with pytest.raises(CorruptEntryError, match="residual"):
+        entry.residual_at(1)
+    assert damaged.get("ee55") is None and damaged.corrupt == 1  # type: ignore[arg-type]

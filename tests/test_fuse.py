@@ -387,3 +387,107 @@ def test_query_aware_weigh_and_ahead(models, family: str) -> None:
     assert fuse.for_model(settled, m.cfg) == settled and fuse.for_model(fuse.Blend(), m.cfg) == fuse.Blend()
     glob, _ = suffix_attention(m, layout, "global")
     assert torch.equal(glob, suffix_attention(m, layout, "global", weigh=settled.weigh)[0])
+
+
+def _naive_hidden(m, ids: torch.Tensor, layer: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The tokens' input to `layer` by the naive per-layer path (the oracle of every residual stream)."""
+    pos = torch.arange(ids.shape[0])
+    h = m.embed(ids)
+    for i in range(layer):
+        h, _, _ = m.layer(i, h, pos)
+    return h  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pass_that_begins_mid_model_equals_full_prefill(models, family: str) -> None:
+    """fuse_chunks(begin=L) over full prefill's KV, given every row's exact input to layer L, recomputes
+    layers L.. into exactly full prefill; without placed buffers or with the wrong rows it refuses."""
+    m = models[family]
+    prefix, chunks, suffix = _layout(11)
+    ids = _t(prefix + sum(chunks, ()) + suffix)
+    full = fuse.prefill(m, ids)
+    at, caches = len(prefix), []
+    for c in chunks:  # the chunks' exact KV, at their own positions
+        caches.append(full.cache.slice(at, at + len(c)).clone())
+        at += len(c)
+    layout = fuse.FuseLayout.of(full.cache.slice(0, len(prefix)).clone(), caches, _t(suffix), [_t(c) for c in chunks])
+    n, layers = sum(len(c) for c in chunks), m.cfg.num_layers
+    hidden = _naive_hidden(m, ids, 2)[len(prefix):]
+    placed = (full.cache.k.clone(), full.cache.v.clone())
+    out = fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), placed=placed, begin=2, hidden=hidden)
+    _assert_close(out.logits, full.logits, f"{family} begin=2", 1e-4)
+    _assert_close(out.cache.k, full.cache.k, f"{family} begin=2 keys", 1e-4)
+    assert out.recomputed_token_layers == n * (layers - 2) and len(out.selected) == layers - 2
+    with pytest.raises(ValueError, match="placed buffers"):
+        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), begin=2, hidden=hidden)
+    with pytest.raises(ValueError, match="rows"):
+        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), placed=placed, begin=2, hidden=hidden[1:])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_precompute_keeps_the_chunks_residual_stream(models, family: str) -> None:
+    """precompute_chunk(residual=L) keeps the chunk tokens' input to layer L (the naive path's), and the
+    same KV as without it."""
+    m = models[family]
+    pre, chunk = (1, 5, 6, 7), rand_ids(9, 3)
+    cache = fuse.precompute_chunk(m, pre, chunk, residual=2)
+    assert cache.residual is not None and cache.residual.layer == 2
+    _assert_close(cache.residual.hidden, _naive_hidden(m, _t(pre + chunk), 2)[len(pre):], f"{family} residual", 1e-5)
+    plain = fuse.precompute_chunk(m, pre, chunk)
+    assert plain.residual is None and torch.equal(plain.k, cache.k) and torch.equal(plain.v, cache.v)
+    assert cache.residual_at(2) is cache.residual.hidden and cache.residual_at(1) is None
+    assert cache.nbytes == plain.nbytes + cache.residual.hidden.numel() * 4
+    for bad in (0, m.cfg.num_layers):
+        with pytest.raises(ValueError, match="residual"):
+            fuse.precompute_chunk(m, pre, chunk, residual=bad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_aware_skip_resumes_the_picks_from_their_chunks_residual(models, family: str) -> None:
+    """queryaware with skip=2: below layer 2 the cache is plain reuse's; on layer 2 the picked tokens'
+    KV is that of their chunk's residual stream (their own precompute's input to the layer); at ratio 0
+    it is reuse, at 1.0 full prefill; chunks without a residual recompute from layer 0."""
+    m = models[family]
+    prefix, chunks, suffix = _layout(12)
+    full = fuse.prefill(m, _t(prefix + sum(chunks, ()) + suffix))
+    caches = [fuse.precompute_chunk(m, (1,), c, residual=2) for c in chunks]
+    layout = _fused_layout(m, prefix, caches, chunks, suffix)
+    plain = _fused_layout(m, prefix, [fuse.precompute_chunk(m, (1,), c) for c in chunks], chunks, suffix)
+    reused = fuse.reuse(m, layout)
+    _assert_close(fuse.query_aware(m, layout, 0.0, skip=2).logits, reused.logits, f"{family} skip @0", 1e-5)
+    _assert_close(fuse.query_aware(m, layout, 1.0, skip=2).logits, full.logits, f"{family} skip @1", 1e-4)
+    out = fuse.query_aware(m, layout, 0.4, skip=2, layers="all")
+    n, layers, start = sum(len(c) for c in chunks), m.cfg.num_layers, len(prefix)
+    picks = out.selected[0]
+    assert len(out.selected) == layers - 2 and out.recomputed_token_layers == math.ceil(0.4 * n) * (layers - 2)
+    assert torch.equal(out.cache.k[:2], reused.cache.k[:2]) and torch.equal(out.cache.v[:2], reused.cache.v[:2])
+    resid = torch.cat([c.residual.hidden for c in caches])[picks]  # type: ignore[union-attr]
+    k, v = m.key_value(2, resid, picks + start)
+    _assert_close(out.cache.k[2][:, picks + start], k, f"{family} picks' keys on layer 2", 1e-5)
+    _assert_close(out.cache.v[2][:, picks + start], v, f"{family} picks' values on layer 2", 1e-5)
+    from_zero = fuse.query_aware(m, layout, 0.4, skip=0, layers="all")
+    assert not torch.allclose(out.logits, from_zero.logits)
+    assert torch.equal(fuse.query_aware(m, plain, 0.4, skip=2, layers="all").logits,
+                       fuse.query_aware(m, plain, 0.4, skip=0, layers="all").logits)
+    with pytest.raises(ValueError, match="skip"):
+        fuse.query_aware(m, layout, 0.4, skip=layers)
+
+
+def test_query_aware_skip_option_settles_by_model(models) -> None:  # type: ignore[no-untyped-def]
+    """skip "auto" is 2 on a model without sliding-window layers and 0 on one with them; a settled skip
+    above 0 is the layer whose residual the chunk caches keep; bad values are refused."""
+    from kvfuse.fuse import QueryAware, parse_spec, residual_layer
+
+    cfgs = {f: models[f].cfg for f in ("llama", "gemma3")}
+    assert fuse.for_model(QueryAware(), cfgs["llama"]).skip == "2"  # type: ignore[attr-defined]
+    assert fuse.for_model(QueryAware(), cfgs["gemma3"]).skip == "0"  # type: ignore[attr-defined]
+    assert residual_layer(fuse.for_model(QueryAware(), cfgs["llama"])) == 2
+    assert residual_layer(fuse.for_model(QueryAware(), cfgs["gemma3"])) is None
+    assert residual_layer(QueryAware()) is None and residual_layer(fuse.Blend()) is None
+    fuser, ratio = parse_spec("queryaware@0.2:skip=3")
+    assert fuser.skip == "3" and ratio == 0.2 and residual_layer(fuser) == 3  # type: ignore[attr-defined]
+    for bad in ("x", "-1", "1.5"):
+        with pytest.raises(ValueError, match="skip"):
+            QueryAware(skip=bad)
+    with pytest.raises(ValueError, match="skip"):
+        fuse.for_model(QueryAware(skip="4"), cfgs["llama"])  # the tiny models have 4 layers

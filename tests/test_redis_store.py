@@ -363,3 +363,27 @@ def test_cluster_up_says_what_to_fix() -> None:
         main(["cluster", "up", "--replicas", "0", "--start-redis"])
     with pytest.raises(SystemExit, match="redis://HOST:PORT/DB"):
         main(["cluster", "up", "--redis", "localhost:6379"])
+
+
+def test_a_residual_stream_round_trips_and_is_verified_in_redis(fake: RedisTier) -> None:
+    """An entry's residual stream (kv.Residual) travels after its layers: read back whole and from an
+    opened entry at its layer only; a flipped byte in it is caught there and makes the whole value a miss."""
+    from kvfuse.kv import Residual
+
+    base = _cache(4)
+    c = KVCache(base.k, base.v, base.positions, Residual(2, torch.randn(5, 6)))
+    assert fake.put("r", c)  # type: ignore[arg-type]
+    got = fake.get("r")  # type: ignore[arg-type]
+    assert got is not None and got.residual is not None and got.residual.layer == 2 and c.residual is not None
+    assert torch.equal(got.residual.hidden, c.residual.hidden) and torch.equal(got.k, c.k)
+    entry = fake.open("r")  # type: ignore[arg-type]
+    assert entry is not None and entry.nbytes == c.nbytes and entry.residual_at(1) is None
+    assert torch.equal(entry.residual_at(2), c.residual.hidden)  # type: ignore[arg-type]
+    assert torch.equal(entry.layer(2)[1], c.v[2])
+    fake.put("plain", base)  # type: ignore[arg-type]
+    plain = fake.open("plain")  # type: ignore[arg-type]
+    assert plain is not None and plain.residual_at(2) is None
+    _damage(fake, "flipped", "r")  # the last bytes: inside the residual
+    with pytest.raises(CorruptEntryError, match="residual"):
+        entry.residual_at(2)
+    assert fake.get("r") is None and fake.corrupt == 1  # type: ignore[arg-type]

@@ -117,7 +117,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from kvfuse.fuse import DEFAULT_MODE
+    from kvfuse.fuse import DEFAULT_MODE, residual_layer
     from kvfuse.text import Prompt
 
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
@@ -126,9 +126,10 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)
-    behind = rt.engine.cache.chunk_preambles(rt.engine.fuser(DEFAULT_MODE), req)
+    fuser = rt.engine.fuser(DEFAULT_MODE)
+    behind, residual = rt.engine.cache.chunk_preambles(fuser, req), residual_layer(fuser)
     for chunk, pre in tqdm(list(zip(req.chunks, behind, strict=True)), desc="precomputing chunk caches", unit="chunk"):
-        computed += int(not rt.engine.cache.chunk_cache(chunk, None, pre)[1])
+        computed += int(not rt.engine.cache.chunk_cache(chunk, None, pre, residual)[1])
     rt.engine.store.flush()
     print(json.dumps({"chunks": len(req.chunks), "computed": computed, "already_cached": len(req.chunks) - computed,
                       "seconds": round(time.perf_counter() - t0, 3), "store": str(where)}))

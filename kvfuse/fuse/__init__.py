@@ -42,6 +42,7 @@ from kvfuse.fuse.registry import (
     parse_fuser,
     parse_spec,
     register_fuser,
+    residual_layer,
     spec_of,
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "prefill",
     "query_aware",
     "register_fuser",
+    "residual_layer",
     "reuse",
     "spec_of",
 ]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfuse.config import ModelConfig, RopeSpec
-from kvfuse.kv import KVCache, one_thread
+from kvfuse.kv import KVCache, Residual, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder, RowPlan, RowPlans
 from kvfuse.rope import rerotate_into
@@ -65,6 +65,8 @@ class Fused:
     selected: list[torch.Tensor] = field(default_factory=list)  # blend: chunk-token indices per layer
     # the buffers `cache` views, `room` tokens longer: decoding appends to them in place, with no copy
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # with `fuse_chunks(keep_hidden=L)`: (rows, hidden) the input of layer L of the rows computed there
+    rows_hidden: torch.Tensor | None = None
     _logits: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)  # `logits`, once computed
 
     @property
@@ -96,11 +98,13 @@ def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) ->
 
 
 def _fused(model: Decoder, k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, h: torch.Tensor, room: int,
-           recomputed: int = 0, selected: list[torch.Tensor] | None = None) -> Fused:
+           recomputed: int = 0, selected: list[torch.Tensor] | None = None,
+           rows_hidden: torch.Tensor | None = None) -> Fused:
     """The first `total` tokens of the buffers as the prompt's cache, and h (1, hidden) the last token's
     output; with room, the buffers ride along."""
     cache = KVCache(k_buf[:, :, :total], v_buf[:, :, :total], torch.arange(total))
-    return Fused(cache, h[-1], model.logits, recomputed, selected or [], (k_buf, v_buf) if room else None)
+    return Fused(cache, h[-1], model.logits, recomputed, selected or [], (k_buf, v_buf) if room else None,
+                 rows_hidden)
 
 
 def _run(model: Decoder, ids: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int,
@@ -163,12 +167,16 @@ def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor)
 
 def precompute_chunk(
     model: Decoder, preamble: Sequence[int], chunk: Sequence[int], start: int | None = None,
-    pause: Pause = no_pause,
+    pause: Pause = no_pause, residual: int | None = None,
 ) -> KVCache:
     """KV of a chunk computed on its own behind the preamble; only the chunk's tokens are kept.
 
     The preamble sits at positions 0..len(preamble)-1 and the chunk at start.. (default: right after it).
+    With `residual` (a layer, 0 < residual < layers), the cache also keeps the chunk tokens' input to
+    that layer (`KVCache.residual`).
     """
+    if residual is not None and not 0 < residual < model.cfg.num_layers:
+        raise ValueError(f"residual must be a layer between 1 and {model.cfg.num_layers - 1}, got {residual}")
     pre = torch.tensor(list(preamble), dtype=torch.int64)
     ids = torch.tensor(list(chunk), dtype=torch.int64)
     if ids.numel() == 0:
@@ -181,14 +189,19 @@ def precompute_chunk(
     h = model.embed(torch.cat((pre, ids)))
     last = model.cfg.num_layers - 1
     plan = RowPlan(model.cfg, pos)
+    n = len(pre)
+    kept: Residual | None = None
     for i in range(last):
+        if i == residual:
+            kept = Residual(i, h[n:].clone())
         q, k, v = model.project(i, h, pos, plan)
         k_buf[i], v_buf[i] = k, v
         h = model.finish(i, h, model.attend(i, q, pos, k, v, pos, plan))
         pause()
+    if last == residual:
+        kept = Residual(last, h[n:].clone())
     k_buf[last], v_buf[last] = model.key_value(last, h, pos, plan)  # the cache needs no output from the last layer
-    n = len(pre)
-    return KVCache(k_buf[:, :, n:].clone(), v_buf[:, :, n:].clone(), pos[n:].clone())
+    return KVCache(k_buf[:, :, n:].clone(), v_buf[:, :, n:].clone(), pos[n:].clone(), kept)
 
 
 def _place_layer(
@@ -274,6 +287,9 @@ def fuse_chunks(
     observe: Observe | None = None,
     placed: tuple[torch.Tensor, torch.Tensor] | None = None,
     pause: Pause = no_pause,
+    begin: int = 0,
+    hidden: torch.Tensor | None = None,
+    keep_hidden: int | None = None,
 ) -> Fused:
     """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
@@ -287,7 +303,10 @@ def fuse_chunks(
     over the same layout (at least `total` tokens long; `Fused.buffers`, or its cache's tensors): they
     already hold the prefix and every chunk's re-rotated KV on every layer, so nothing is copied in or
     read again, and only the rows this pass computes are overwritten. `pause` is called after each
-    layer."""
+    layer. `begin` > 0 (with `placed`) starts the pass at that layer: the earlier layers stay as placed,
+    and `hidden` (rows, hidden_size) is the rows' input to layer `begin` (the prefix tail, the
+    candidates, the suffix, in order), where it would otherwise be their embeddings. `keep_hidden`
+    returns the rows' input to that layer as `Fused.rows_hidden`."""
     chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
     score = deviation if deviation is not None else kv_deviation
     cfg = model.cfg
@@ -309,6 +328,8 @@ def fuse_chunks(
         if k_buf.shape[2] < total or k_buf.shape[0] != cfg.num_layers:
             raise ValueError(f"placed buffers of shape {tuple(k_buf.shape)} cannot hold this layout ({total} tokens)")
         room = k_buf.shape[2] - total
+    if begin and (placed is None or hidden is None or not 0 < begin < cfg.num_layers):
+        raise ValueError(f"a pass that begins at layer {begin} needs placed buffers and the rows' hidden input")
     pos_all = torch.arange(total)
 
     # Rows of h: the prefix tail, the candidate chunk tokens (as indices into the chunk span), the suffix.
@@ -321,7 +342,11 @@ def fuse_chunks(
     fixed_lo, fixed_hi = torch.arange(p, start), torch.arange(n, total)
     n_lo = fixed_lo.shape[0]
     cand_ids = torch.cat(list(chunk_ids))[cand] if cand.numel() else torch.empty(0, dtype=torch.int64)
-    h = model.embed(torch.cat([tail, cand_ids, suffix]))
+    h = model.embed(torch.cat([tail, cand_ids, suffix])) if hidden is None else hidden
+    if h.shape[0] != n_lo + cand.shape[0] + suffix.shape[0]:
+        raise ValueError(f"hidden has {h.shape[0]} rows, but the pass computes {n_lo + cand.shape[0]} + "
+                         f"{suffix.shape[0]}")
+    rows_hidden: torch.Tensor | None = None
     selected: list[torch.Tensor] = []
     recomputed = 0
     plans = RowPlans(cfg)  # rows change only when the candidates narrow: RoPE and masks are built once per set
@@ -329,8 +354,10 @@ def fuse_chunks(
     if own_loader:
         loader = LayerLoader(chunks, cfg.num_layers, pipelined=False)
     try:
-        for i in range(cfg.num_layers):
+        for i in range(begin, cfg.num_layers):
             nc = cand.shape[0]
+            if i == keep_hidden:
+                rows_hidden = h.clone()
             if placed is None:  # this pass reads the chunk layers itself
                 assert loader is not None
                 layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
@@ -366,4 +393,4 @@ def fuse_chunks(
     finally:
         if own_loader and loader is not None:
             loader.close()
-    return _fused(model, k_buf, v_buf, total, h, room, recomputed, selected)
+    return _fused(model, k_buf, v_buf, total, h, room, recomputed, selected, rows_hidden)

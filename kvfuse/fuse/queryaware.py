@@ -30,6 +30,15 @@ Options (`queryaware@R:option=value`):
 - `ahead`: N > 0 drafts N tokens greedily on the reused cache (one more suffix pass each, in pass 1's
   buffers) and scores by the attention of the suffix and its draft: what the answer's first tokens
   look at, at the cost of N passes over the suffix.
+- `skip`: pass 2 begins at layer N instead of 0. The picked tokens enter layer N with the residual
+  stream their chunk's own precompute had there (kept with the chunk's cache, `kv.Residual`: one
+  hidden vector per token, about 5% of a SmolLM2 chunk's KV), and the prefix tail and the suffix with
+  pass 1's; below layer N every chunk token keeps its reused KV. That saves N layers of the picks'
+  recompute. "auto" (the default) is 2 on a model without sliding-window layers (SmolLM2: lower KL
+  than recomputing from layer 0, on its calibration set) and 0 on one with them (Gemma 3, where it
+  raised the KL); docs/benchmarks.md. At ratio 1.0 every token is recomputed from layer 0 whatever
+  `skip` says, so that 1.0 stays full prefill. A chunk cache without that residual makes the request
+  recompute from layer 0.
 
 Cost: the suffix twice, plus R of the chunk tokens on every layer (and wide - R more on the first
 layers); at 0.15 about as much as blend@0.15's schedule.
@@ -66,11 +75,20 @@ def settle_weigh(cfg: ModelConfig, layers: str, weigh: str) -> str:
     return "share" if len(counted_layers(cfg, layers)) == cfg.num_layers else "mass"
 
 
+def settle_skip(cfg: ModelConfig, skip: str) -> str:
+    """skip "auto" for this model: "2" without sliding-window layers, else "0" (see the module docstring)."""
+    if skip != "auto":
+        return skip
+    return "2" if all(cfg.window(i) is None for i in range(cfg.num_layers)) else "0"
+
+
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
-                     ctx: FuseContext = IN_PLACE, weigh: str = "auto", ahead: int = 0) -> tuple[torch.Tensor, Fused]:
+                     ctx: FuseContext = IN_PLACE, weigh: str = "auto", ahead: int = 0,
+                     keep_hidden: int | None = None) -> tuple[torch.Tensor, Fused]:
     """(chunk tokens,) the suffix's attention over each chunk token, summed over the counted layers'
     heads and suffix queries, from a reuse pass; and that pass's result, whose buffers hold every
-    chunk's re-rotated KV on every layer (with ctx.room + ahead tokens of room).
+    chunk's re-rotated KV on every layer (with ctx.room + ahead tokens of room), and, with
+    `keep_hidden`, the prefix tail's and suffix's input to that layer (`Fused.rows_hidden`).
 
     With `ahead`, that many tokens are first drafted greedily on the reused cache, each by one more pass
     over the suffix alone in the same buffers, and the attention counted is that of the suffix and its
@@ -91,7 +109,7 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
 
     reuse = [0] * cfg.num_layers
     first = fuse_chunks(model, layout, reuse, rotate=ctx.rotate, loader=ctx.loader, observe=None if ahead else observe,
-                        room=ctx.room + ahead, pause=ctx.pause)
+                        room=ctx.room + ahead, pause=ctx.pause, keep_hidden=keep_hidden)
     out, draft = first, []
     for j in range(ahead):  # the draft's passes read the placed chunks; only the last one is observed
         draft.append(int(out.logits.argmax()))
@@ -130,12 +148,16 @@ def pick(score: torch.Tensor, share: float, work: torch.Tensor | None = None) ->
 
 def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, layers: str = "global",
                 ctx: FuseContext = IN_PLACE, wide: float = 0.0, weigh: str = "auto", ahead: int = 0,
-                cost: str = "tokens") -> Fused:
-    """Recompute, on every layer, the chunk tokens the question attends to most (see the module docstring)."""
+                cost: str = "tokens", skip: int = 0) -> Fused:
+    """Recompute, on every layer (from layer `skip` on), the chunk tokens the question attends to most
+    (see the module docstring)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be between 0 and 1, got {ratio}")
+    if not 0 <= skip < model.cfg.num_layers:
+        raise ValueError(f"skip must be a layer between 0 and {model.cfg.num_layers - 1}, got {skip}")
     n_c = layout.chunk_tokens
-    score, reused = suffix_attention(model, layout, layers, ctx, weigh, ahead)
+    skip = skip if ratio < 1.0 else 0  # at 1.0 everything is recomputed from its embedding: full prefill
+    score, reused = suffix_attention(model, layout, layers, ctx, weigh, ahead, skip or None)
     start = layout.chunks_begin
     work = recompute_work(model.cfg, torch.arange(start, start + n_c)) if cost == "work" else None
     chosen = pick(score, max(ratio, wide), work)  # the set of the first layers (with wide <= ratio: the fixed set)
@@ -145,8 +167,24 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
     keep = [first] * min(FILTER_LAYERS, layers_n) + [k] * max(0, layers_n - FILTER_LAYERS)  # first == k: fixed
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
     placed = reused.buffers if reused.buffers is not None else (reused.cache.k, reused.cache.v)
+    begin, hidden = _resume(layout, chosen, reused, skip)
     return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed,
-                       pause=ctx.pause)
+                       pause=ctx.pause, begin=begin, hidden=hidden)
+
+
+def _resume(layout: FuseLayout, chosen: torch.Tensor, reused: Fused, skip: int) -> tuple[int, torch.Tensor | None]:
+    """Where pass 2 begins and its rows' input there: at `skip`, the prefix tail and suffix as pass 1
+    left them and the picked tokens as their chunks' residual streams; at 0 (their embeddings) when
+    skip is 0 or a chunk's cache holds no residual at that layer."""
+    if not skip or reused.rows_hidden is None:
+        return 0, None
+    streams = [c.residual_at(skip) for c in layout.chunks]
+    if any(s is None for s in streams):
+        return 0, None
+    rows = reused.rows_hidden
+    picked = torch.cat([s for s in streams if s is not None])[chosen].to(rows.dtype)
+    tail = int(layout.prefix_tail.shape[0])
+    return skip, torch.cat((rows[:tail], picked, rows[tail:]))
 
 
 @register_fuser
@@ -165,6 +203,7 @@ class QueryAware:
     weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "auto": by the model
     ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
     cost: str = "tokens"  # what the ratio budgets: "tokens", or "work" (score per unit of recompute work)
+    skip: str = "auto"  # the layer pass 2 begins at ("auto": by the model), from the chunks' residual streams
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):
@@ -175,15 +214,27 @@ class QueryAware:
             raise ValueError(f"weigh must be 'auto', 'mass' or 'share', got {self.weigh!r}")
         if self.cost not in ("tokens", "work"):
             raise ValueError(f"cost must be 'tokens' or 'work', got {self.cost!r}")
+        if self.skip != "auto" and not (self.skip.isdigit() and self.skip.isascii()):
+            raise ValueError(f"skip must be 'auto' or a layer number (0: recompute from the first layer), "
+                             f"got {self.skip!r}")
         check_behind(self.behind)
 
     def for_model(self, cfg: ModelConfig) -> QueryAware:
-        """This fuser with weigh "auto" settled for the model (`registry.for_model`)."""
-        return dataclasses.replace(self, weigh=settle_weigh(cfg, self.layers, self.weigh))
+        """This fuser with weigh and skip "auto" settled for the model (`registry.for_model`)."""
+        skip = settle_skip(cfg, self.skip)
+        if int(skip) >= cfg.num_layers:
+            raise ValueError(f"skip must be below the model's {cfg.num_layers} layers, got {skip}")
+        return dataclasses.replace(self, weigh=settle_weigh(cfg, self.layers, self.weigh), skip=str(int(skip)))
+
+    @property
+    def residual_layer(self) -> int | None:
+        """The layer whose residual stream the chunk caches keep: `skip`, once settled and above 0."""
+        return int(self.skip) if self.skip != "auto" and int(self.skip) > 0 else None
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = self.default_ratio if ratio is None else ratio
-        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead, self.cost)
+        skip = int(settle_skip(model.cfg, self.skip))
+        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead, self.cost, skip)
 
     def label(self, ratio: float | str | None) -> str:
         return self.name if ratio is None else f"{self.name}@{ratio}"

@@ -210,6 +210,13 @@ def for_model(fuser: Fuser, cfg: ModelConfig) -> Fuser:
     return fuser if settle is None else settle(cfg)  # type: ignore[no-any-return]
 
 
+def residual_layer(fuser: Fuser) -> int | None:
+    """The layer whose residual stream the fuser's chunk caches must keep (`kv.Residual`), if any: a
+    fuser that resumes chunk tokens mid-model has a `residual_layer` property; the others keep none."""
+    layer = getattr(fuser, "residual_layer", None)
+    return layer if isinstance(layer, int) else None
+
+
 def fuser_key(fuser: Fuser) -> str:
     """The name a calibration curve is kept under: the label without a ratio and every option, defaults
     included (so a curve never silently applies to another fuser when a default changes)."""

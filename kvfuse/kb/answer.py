@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.fuse.registry import DEFAULT_MODE
+from kvfuse.fuse.registry import DEFAULT_MODE, residual_layer
 from kvfuse.kb.conflicts import Conflict, conflicts_for
 from kvfuse.kb.manifest import Document, KBError
 from kvfuse.kb.prefix import PrefixPlan
@@ -145,9 +145,11 @@ def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, f
         written, build_s = report.tokens_recomputed, report.build_s
     if chunks and prep.request.chunks:
         eng, req = kb.engine, prep.request
-        behind = eng.cache.chunk_preambles(eng.fuser(prep.mode), req)  # what the mode's caches are computed behind
+        fuser = eng.fuser(prep.mode)
+        behind = eng.cache.chunk_preambles(fuser, req)  # what the mode's caches are computed behind
+        residual = residual_layer(fuser)
         written += sum(len(c) for c, p in zip(req.chunks, behind, strict=True)
-                       if eng.cache.chunk_key(c, req.chunk_salt, p) not in eng.store)
+                       if eng.cache.chunk_key(c, req.chunk_salt, p, residual) not in eng.store)
         eng.precompute(req, prep.mode)
     return written, build_s
 

@@ -2,11 +2,13 @@
 
 File `<root>/<key[:2]>/<key>.safetensors` holds tensors `k`, `v` (layers, kv_heads, T, head_dim) and
 `positions` (T,), and string metadata: the cache format version, the key, the model fingerprint, the
-dtype and an xxh3-64 checksum per layer of K and of V. A read checks the metadata against the file name and the
-expected model, and each layer's checksum as that layer is read, so a flipped byte, a truncated file, a file
-renamed to another key or one written by another model is detected, dropped and counted as corrupt,
-never used. Reads can be per layer (safetensors reads a single slice), which is what pipelined loading
-uses. The index is rebuilt from the directory at start, from file headers only.
+dtype and an xxh3-64 checksum per layer of K and of V. A chunk entry may also hold `residual` (T, hidden)
+with its layer and checksum in the metadata (`residual_layer`, `xxh3_residual`; `kv.Residual`). A read
+checks the metadata against the file name and the expected model, and each layer's checksum as that
+layer is read, so a flipped byte, a truncated file, a file renamed to another key or one written by
+another model is detected, dropped and counted as corrupt, never used. Reads can be per layer
+(safetensors reads a single slice), which is what pipelined loading uses. The index is rebuilt from the
+directory at start, from file headers only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import cast
 
 import torch
 
-from kvfuse.kv import KVCache
+from kvfuse.kv import KVCache, Residual
 from kvfuse.store.base import CorruptEntryError, TierSettings, TierStats, register_tier
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
 from kvfuse.store.lru import LruIndex
@@ -202,7 +204,12 @@ class DiskTier:
             "xxh3_k": json.dumps([_digest(k[i]) for i in range(k.shape[0])]),
             "xxh3_v": json.dumps([_digest(v[i]) for i in range(v.shape[0])]),
         }
-        data = save({"k": k, "v": v, "positions": cache.positions.contiguous()}, metadata=meta)
+        tensors = {"k": k, "v": v, "positions": cache.positions.contiguous()}
+        if cache.residual is not None:
+            tensors["residual"] = cache.residual.hidden.contiguous()
+            meta["residual_layer"] = str(cache.residual.layer)
+            meta["xxh3_residual"] = _digest(tensors["residual"])
+        data = save(tensors, metadata=meta)
         if len(data) > self.capacity_bytes:
             return False
         path = self._path(key)
@@ -328,11 +335,15 @@ class DiskEntry:
             tensors = _map_tensors(info.path)
             self.positions: torch.Tensor = tensors["positions"].clone()
             self._k, self._v = tensors["k"], tensors["v"]
+            self._residual = tensors.get("residual")
+            self._residual_layer = int(meta["residual_layer"]) if self._residual is not None else None
+            self._sum_residual = meta.get("xxh3_residual", "")
         except CorruptEntryError:
             raise
         except Exception as e:
             raise CorruptEntryError(f"{name}: {e}") from e
-        if len(self._sum_k) != self._k.shape[0] or self.positions.shape[0] != self._k.shape[2]:
+        if len(self._sum_k) != self._k.shape[0] or self.positions.shape[0] != self._k.shape[2] or (
+                self._residual is not None and self._residual.shape[0] != self._k.shape[2]):
             raise CorruptEntryError(f"{name}: shapes do not match its metadata")
         self.layers = int(self._k.shape[0])
 
@@ -350,9 +361,20 @@ class DiskEntry:
             raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on layer {i}", self.info.key)
         return k, v
 
+    def residual_at(self, layer: int) -> torch.Tensor | None:
+        """(T, hidden) the tokens' input to that layer if the entry holds it, checksum-verified, as a view."""
+        if self._residual is None or self._residual_layer != layer:
+            return None
+        if _digest(self._residual) != self._sum_residual:
+            raise CorruptEntryError(f"{self.info.path.name}: checksum mismatch on the residual", self.info.key)
+        return self._residual
+
     def read_all(self) -> KVCache:
         ks, vs = zip(*(self.layer(i) for i in range(self.layers)), strict=True)
-        return KVCache(torch.stack(ks), torch.stack(vs), self.positions)
+        layer = self._residual_layer
+        hidden = self.residual_at(layer) if layer is not None else None
+        residual = Residual(layer, hidden.clone()) if layer is not None and hidden is not None else None
+        return KVCache(torch.stack(ks), torch.stack(vs), self.positions, residual)
 
 
 def _map_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -32,11 +32,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def chunk_key(
-    model_fp: str, dtype: torch.dtype, preamble: Sequence[int], tokens: Sequence[int], salt: str = ""
+    model_fp: str, dtype: torch.dtype, preamble: Sequence[int], tokens: Sequence[int], salt: str = "",
+    residual: int | None = None,
 ) -> ChunkKey:
+    """`residual`: the entry also holds the tokens' residual stream at that layer (`kv.Residual`)."""
     parts: list[object] = ["chunk", CACHE_FORMAT_VERSION, model_fp, dtype_name(dtype), list(preamble), list(tokens)]
     if salt:  # unsalted keys stay as they were, so caches stored before salts existed are still found
         parts.append(salt)
+    if residual is not None:  # likewise: keys without a residual are unchanged
+        parts.append(["residual", residual])
     return ChunkKey(_digest(*parts))
 
 

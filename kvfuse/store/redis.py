@@ -4,10 +4,12 @@ One key per entry, `<namespace><cache key>`, whose value carries everything need
 separate metadata key, which Redis could evict on its own: LMCache PR #426 was that bug):
 
     b"KVFR" | u32 little-endian header length | header (JSON) | positions (int64, T) | K0 V0 K1 V1 ...
+    [| residual (T, hidden)]
 
 The header holds the cache format version, the key, the model fingerprint, the dtype, the shape
 (layers, kv_heads, T, head_dim) and an xxh3-64 checksum of the positions and of each layer's K and V,
-as the disk tier keeps them. `open` reads the header and positions with one GETRANGE; each layer's K and
+as the disk tier keeps them; an entry with a residual stream (`kv.Residual`) also has `residual`:
+its layer, width and checksum. `open` reads the header and positions with one GETRANGE; each layer's K and
 V are then read with one GETRANGE as the loader asks (on its thread, pipelined behind the recompute) and
 checked against their checksums before use. A value that is not ours, was written by another model,
 is truncated, or vanishes between the lookup and a layer's read (evicted) is corrupt or missing: the
@@ -41,7 +43,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvfuse.kv import KVCache
+from kvfuse.kv import KVCache, Residual
 from kvfuse.store.base import CorruptEntryError, Remote, TierSettings, TierStats, register_tier
 from kvfuse.store.disk import _DTYPES, _digest
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
@@ -98,10 +100,16 @@ def encode_entry(key: CacheKey, cache: KVCache, model_fp: str) -> bytes:
         "shape": list(k.shape), "xxh3_positions": _digest(pos),
         "xxh3_k": [_digest(k[i]) for i in range(k.shape[0])], "xxh3_v": [_digest(v[i]) for i in range(v.shape[0])],
     }
+    r = cache.residual
+    hidden = r.hidden.to(k.dtype).contiguous() if r is not None else None
+    if r is not None and hidden is not None:
+        header["residual"] = {"layer": r.layer, "width": int(hidden.shape[1]), "xxh3": _digest(hidden)}
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [MAGIC, struct.pack("<I", len(head)), head, _bytes(pos)]
     for i in range(k.shape[0]):
         parts += [_bytes(k[i]), _bytes(v[i])]
+    if hidden is not None:
+        parts.append(_bytes(hidden))
     return b"".join(parts)
 
 
@@ -335,6 +343,8 @@ class RedisEntry:
         self._start = data_start
         self._sum_k, self._sum_v = header["xxh3_k"], header["xxh3_v"]
         self.positions = positions
+        r = header.get("residual")
+        self._residual: tuple[int, int, str] | None = (int(r["layer"]), int(r["width"]), str(r["xxh3"])) if r else None
 
     @classmethod
     def parse(cls, tier: RedisTier, key: CacheKey, first: bytes) -> RedisEntry:
@@ -361,6 +371,9 @@ class RedisEntry:
         if dtype not in _DTYPE_BY_NAME or len(header.get("xxh3_k", ())) != layers \
                 or len(header.get("xxh3_v", ())) != layers:
             raise CorruptEntryError(f"{name}: header does not match its shape", key)
+        residual = header.get("residual")
+        if residual is not None and not (isinstance(residual, dict) and {"layer", "width", "xxh3"} <= residual.keys()):
+            raise CorruptEntryError(f"{name}: unreadable residual in its header", key)
         start = 8 + n
         end = start + tokens * 8
         raw = first[start:end] if len(first) >= end else tier.call(
@@ -378,7 +391,15 @@ class RedisEntry:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self._layer_bytes
+        return 2 * self.layers * self._layer_bytes + self._residual_bytes
+
+    @property
+    def _residual_bytes(self) -> int:
+        return self.tokens * self._residual[1] * self.dtype.itemsize if self._residual else 0
+
+    def _residual_span(self) -> tuple[int, int]:
+        start = self._start + 2 * self.layers * self._layer_bytes
+        return start, start + self._residual_bytes
 
     def _span(self, i: int) -> tuple[int, int]:
         start = self._start + 2 * i * self._layer_bytes
@@ -408,13 +429,38 @@ class RedisEntry:
             raise CorruptEntryError(f"{self.key[:12]}: Redis became unavailable mid-read", self.key) from None
         return self._split(i, raw)
 
+    def _hidden(self, raw: bytes) -> torch.Tensor:
+        assert self._residual is not None
+        if len(raw) != self._residual_bytes:
+            raise CorruptEntryError(f"{self.key[:12]}: truncated or gone (residual)", self.key)
+        hidden = torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.tokens, self._residual[1]) if raw \
+            else torch.empty(0, self._residual[1], dtype=self.dtype)
+        if _digest(hidden) != self._residual[2]:
+            raise CorruptEntryError(f"{self.key[:12]}: checksum mismatch on the residual", self.key)
+        return hidden
+
+    def residual_at(self, layer: int) -> torch.Tensor | None:
+        """(T, hidden) the tokens' input to that layer if the entry holds it, read now (one GETRANGE) and
+        verified; Redis unavailable mid-read: CorruptEntryError, as for a layer."""
+        if self._residual is None or self._residual[0] != layer:
+            return None
+        start, end = self._residual_span()
+        rkey = self.tier._rkey(self.key)
+        try:
+            raw = self.tier.call(lambda: self.tier._client.getrange(rkey, start, end - 1))
+        except Down:
+            raise CorruptEntryError(f"{self.key[:12]}: Redis became unavailable mid-read", self.key) from None
+        return self._hidden(raw)
+
     def read_all(self, value: bytes) -> KVCache:
-        """Every layer from the whole value, verified."""
-        expected = self._span(self.layers - 1)[1] if self.layers else self._start
+        """Every layer (and the residual, if any) from the whole value, verified."""
+        expected = self._residual_span()[1]
         if len(value) != expected:
             raise CorruptEntryError(f"{self.key[:12]}: truncated or padded", self.key)
         ks, vs = zip(*(self._split(i, value[slice(*self._span(i))]) for i in range(self.layers)), strict=True)
-        return KVCache(torch.stack(ks), torch.stack(vs), self.positions)
+        residual = Residual(self._residual[0], self._hidden(value[slice(*self._residual_span())])) \
+            if self._residual else None
+        return KVCache(torch.stack(ks), torch.stack(vs), self.positions, residual)
 
 
 def connect(url: str, timeout_s: float) -> Any:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from kvfuse.kv import KVCache
+from kvfuse.kv import KVCache, Residual
 from kvfuse.loader import LayerKV, LayerSource
 from kvfuse.store.base import SharedLocks, Tier
 from kvfuse.store.keys import CacheKey
@@ -112,13 +112,14 @@ class TieredStore:
         self.stats.misses += 1
         return None
 
-    def promote(self, key: CacheKey, layers: LayerKV, positions: object) -> None:
-        """Put the layers read from a later tier into the first one."""
+    def promote(self, key: CacheKey, layers: LayerKV, positions: object, residual: Residual | None = None) -> None:
+        """Put the layers read from a later tier (and the entry's residual stream, if it has one) into the
+        first one."""
         import torch
 
         k, v = torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
         assert isinstance(positions, torch.Tensor)
-        self.tiers[0].put(key, KVCache(k, v, positions))
+        self.tiers[0].put(key, KVCache(k, v, positions, residual))
 
     def drop_corrupt(self, key: CacheKey, why: str) -> None:
         """An entry failed verification while being read: forget it in every tier."""
