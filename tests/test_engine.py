@@ -251,12 +251,14 @@ def test_query_aware_is_a_mode_like_the_others(tiny_engines, family: str) -> Non
     whole = e.generate(req, "queryaware", 1.0, params=GREEDY)
     some = e.generate(req, "queryaware", 0.3, params=GREEDY)
     n, layers = sum(len(c) for c in req.chunks), e.cfg.num_layers
-    skip = int(e.fuser("queryaware").skip)  # type: ignore[attr-defined]
-    assert skip == (2 if family == "llama" else 0)  # "auto": 2 without sliding-window layers
     assert (whole.first_logits - full.first_logits).abs().max() < 1e-4 and whole.counts.recomputed == n
-    # recomputed counts token-layers over the layers: the picks on every layer from `skip` on
-    assert some.counts.recomputed == round(math.ceil(0.3 * n) * (layers - skip) / layers)
-    assert some.ratio == 0.3 and some.mode == "queryaware"
+    assert some.counts.recomputed == math.ceil(0.3 * n) and some.ratio == 0.3 and some.mode == "queryaware"
+    from kvfuse.fuse import QueryAware
+
+    e.precompute(req, QueryAware(skip=2))
+    later = e.generate(req, QueryAware(skip=2), 0.3, params=GREEDY)  # recomputed: token-layers over the layers
+    assert later.counts.recomputed == round(math.ceil(0.3 * n) * (layers - 2) / layers) and later.fuser.endswith(
+        ":skip=2")
     assert [m.name for m in parse_methods("queryaware@0.15,queryaware@1")] == ["queryaware@0.15", "queryaware@1.0"]
 
 
@@ -268,7 +270,7 @@ def test_chunks_behind_the_request_head(tiny_engines, family: str) -> None:
 
     e = tiny_engines[family]
     req = _request(8)
-    head = QueryAware(behind="head", skip="0")  # keys without a residual stream (see the skip tests)
+    head = QueryAware(behind="head")
     assert e.cache.chunk_preambles(head, req) == (tuple(req.prefix),) * 3 and req.prefix != e.preamble
     e.precompute(req, "reuse")
     bos_keys = {e.cache.chunk_key(c, req.chunk_salt) for c in req.chunks}
@@ -295,7 +297,7 @@ def test_chunks_behind_their_neighbour(tiny_engines, family: str) -> None:
 
     e = tiny_engines[family]
     req = _request(9)
-    prev = QueryAware(behind="previous", skip="0")
+    prev = QueryAware(behind="previous")
     pre = e.cache.chunk_preambles(prev, req)
     bos = e.preamble
     assert pre[0] == bos + tuple(req.prefix[1:])[-NEIGHBOUR_TOKENS:]

@@ -188,28 +188,28 @@ def test_only_the_damaged_entry_is_dropped(warm_store) -> None:  # type: ignore[
 
 
 def test_query_aware_skip_reads_the_residual_streams_from_disk(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """On a model without sliding layers the default mode (queryaware, skip "auto" = 2) stores each chunk
-    with its residual stream; after a restart the entries read from disk give the same answer, the
-    promoted entries keep their residuals, and skip=0 (no residual) is another entry and another answer."""
+    """queryaware:skip=2 stores each chunk with its residual stream; after a restart the entries read
+    from disk give the same answer, the promoted entries keep their residuals, and skip=0 (no residual)
+    is another entry and another answer."""
     from kvfuse.fuse import QueryAware
 
     root, _ = tiny_models["llama"]
     first = _engine(root, tmp_path)
-    req = _request()
-    first.precompute(req, "queryaware")
+    req, skip = _request(), QueryAware(skip=2)
+    first.precompute(req, skip)
     first.store.flush()
-    warm = first.prefill(req, "queryaware", 0.3).fused.logits
-    behind = first.cache.chunk_preambles(first.fuser("queryaware"), req)
+    warm = first.prefill(req, skip, 0.3).fused.logits
+    behind = first.cache.chunk_preambles(first.fuser(skip), req)
     keys = [first.cache.chunk_key(c, None, p, 2) for c, p in zip(req.chunks, behind, strict=True)]
     assert all(k in _disk(first) for k in keys)
     second = _engine(root, tmp_path)
-    out = second.generate(req, "queryaware", 0.3)
+    out = second.generate(req, skip, 0.3)
     assert "disk" in out.store.tiers_used and out.store.hits >= 2
     for k in keys:  # promoted into memory with the residual
         hot = second.store.tiers[0].get(k)
         assert hot is not None and hot.residual is not None and hot.residual.layer == 2
-    assert torch.allclose(second.prefill(req, "queryaware", 0.3).fused.logits, warm, atol=1e-5)
+    assert torch.allclose(second.prefill(req, skip, 0.3).fused.logits, warm, atol=1e-5)
     plain = [second.cache.chunk_key(c, None, p) for c, p in zip(req.chunks, behind, strict=True)]
     assert not any(k in second.store for k in plain)
-    from_zero = second.prefill(req, QueryAware(skip="0"), 0.3).fused.logits
+    from_zero = second.prefill(req, "queryaware", 0.3).fused.logits
     assert not torch.allclose(from_zero, warm, atol=1e-5) and all(k in second.store for k in plain)

@@ -473,21 +473,19 @@ def test_query_aware_skip_resumes_the_picks_from_their_chunks_residual(models, f
         fuse.query_aware(m, layout, 0.4, skip=layers)
 
 
-def test_query_aware_skip_option_settles_by_model(models) -> None:  # type: ignore[no-untyped-def]
-    """skip "auto" is 2 on a model without sliding-window layers and 0 on one with them; a settled skip
-    above 0 is the layer whose residual the chunk caches keep; bad values are refused."""
+def test_query_aware_skip_option(models) -> None:  # type: ignore[no-untyped-def]
+    """skip is off by default; above 0 it is the layer whose residual the chunk caches keep; a spec
+    sets it; a negative skip, or one the model has no layer for, is refused."""
     from kvfuse.fuse import QueryAware, parse_spec, residual_layer
 
-    cfgs = {f: models[f].cfg for f in ("llama", "gemma3")}
-    assert fuse.for_model(QueryAware(), cfgs["llama"]).skip == "2"  # type: ignore[attr-defined]
-    assert fuse.for_model(QueryAware(), cfgs["gemma3"]).skip == "0"  # type: ignore[attr-defined]
-    assert residual_layer(fuse.for_model(QueryAware(), cfgs["llama"])) == 2
-    assert residual_layer(fuse.for_model(QueryAware(), cfgs["gemma3"])) is None
-    assert residual_layer(QueryAware()) is None and residual_layer(fuse.Blend()) is None
+    cfg = models["llama"].cfg
+    assert QueryAware().skip == 0 and residual_layer(QueryAware()) is None and residual_layer(fuse.Blend()) is None
     fuser, ratio = parse_spec("queryaware@0.2:skip=3")
-    assert fuser.skip == "3" and ratio == 0.2 and residual_layer(fuser) == 3  # type: ignore[attr-defined]
-    for bad in ("x", "-1", "1.5"):
-        with pytest.raises(ValueError, match="skip"):
-            QueryAware(skip=bad)
+    assert fuser.skip == 3 and ratio == 0.2 and residual_layer(fuser) == 3  # type: ignore[attr-defined]
+    assert residual_layer(fuse.for_model(fuser, cfg)) == 3 and fuse.spec_of(fuser, 0.2) == "queryaware@0.2:skip=3"
     with pytest.raises(ValueError, match="skip"):
-        fuse.for_model(QueryAware(skip="4"), cfgs["llama"])  # the tiny models have 4 layers
+        QueryAware(skip=-1)
+    with pytest.raises(ValueError, match="skip"):
+        parse_spec("queryaware@0.2:skip=x")
+    with pytest.raises(ValueError, match="skip"):
+        fuse.for_model(QueryAware(skip=4), cfg)  # the tiny models have 4 layers

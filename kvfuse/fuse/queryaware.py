@@ -34,11 +34,10 @@ Options (`queryaware@R:option=value`):
   stream their chunk's own precompute had there (kept with the chunk's cache, `kv.Residual`: one
   hidden vector per token, about 5% of a SmolLM2 chunk's KV), and the prefix tail and the suffix with
   pass 1's; below layer N every chunk token keeps its reused KV. That saves N layers of the picks'
-  recompute. "auto" (the default) is 2 on a model without sliding-window layers (SmolLM2: lower KL
-  than recomputing from layer 0, on its calibration set) and 0 on one with them (Gemma 3, where it
-  raised the KL); docs/benchmarks.md. At ratio 1.0 every token is recomputed from layer 0 whatever
-  `skip` says, so that 1.0 stays full prefill. A chunk cache without that residual makes the request
-  recompute from layer 0.
+  recompute. 0 (the default) recomputes from the first layer: skip=2 lowered SmolLM2's KL on its
+  calibration set but not on the dev cases, and raised Gemma 3's (docs/benchmarks.md). At ratio 1.0
+  every token is recomputed from layer 0 whatever `skip` says, so that 1.0 stays full prefill. A
+  chunk cache without that residual makes the request recompute from layer 0.
 
 Cost: the suffix twice, plus R of the chunk tokens on every layer (and wide - R more on the first
 layers); at 0.15 about as much as blend@0.15's schedule.
@@ -73,13 +72,6 @@ def settle_weigh(cfg: ModelConfig, layers: str, weigh: str) -> str:
     if weigh != "auto":
         return weigh
     return "share" if len(counted_layers(cfg, layers)) == cfg.num_layers else "mass"
-
-
-def settle_skip(cfg: ModelConfig, skip: str) -> str:
-    """skip "auto" for this model: "2" without sliding-window layers, else "0" (see the module docstring)."""
-    if skip != "auto":
-        return skip
-    return "2" if all(cfg.window(i) is None for i in range(cfg.num_layers)) else "0"
 
 
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
@@ -203,7 +195,7 @@ class QueryAware:
     weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "auto": by the model
     ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
     cost: str = "tokens"  # what the ratio budgets: "tokens", or "work" (score per unit of recompute work)
-    skip: str = "auto"  # the layer pass 2 begins at ("auto": by the model), from the chunks' residual streams
+    skip: int = 0  # the layer pass 2 begins at, from the chunks' residual streams (0: recompute from the first)
 
     def __post_init__(self) -> None:
         if self.layers not in ("all", "global"):
@@ -214,27 +206,26 @@ class QueryAware:
             raise ValueError(f"weigh must be 'auto', 'mass' or 'share', got {self.weigh!r}")
         if self.cost not in ("tokens", "work"):
             raise ValueError(f"cost must be 'tokens' or 'work', got {self.cost!r}")
-        if self.skip != "auto" and not (self.skip.isdigit() and self.skip.isascii()):
-            raise ValueError(f"skip must be 'auto' or a layer number (0: recompute from the first layer), "
-                             f"got {self.skip!r}")
+        if self.skip < 0:
+            raise ValueError(f"skip must be a layer number (0: recompute from the first layer), got {self.skip}")
         check_behind(self.behind)
 
     def for_model(self, cfg: ModelConfig) -> QueryAware:
-        """This fuser with weigh and skip "auto" settled for the model (`registry.for_model`)."""
-        skip = settle_skip(cfg, self.skip)
-        if int(skip) >= cfg.num_layers:
-            raise ValueError(f"skip must be below the model's {cfg.num_layers} layers, got {skip}")
-        return dataclasses.replace(self, weigh=settle_weigh(cfg, self.layers, self.weigh), skip=str(int(skip)))
+        """This fuser with weigh "auto" settled for the model (`registry.for_model`); a skip the model
+        has no layer for is refused here."""
+        if self.skip >= cfg.num_layers:
+            raise ValueError(f"skip must be below the model's {cfg.num_layers} layers, got {self.skip}")
+        return dataclasses.replace(self, weigh=settle_weigh(cfg, self.layers, self.weigh))
 
     @property
     def residual_layer(self) -> int | None:
-        """The layer whose residual stream the chunk caches keep: `skip`, once settled and above 0."""
-        return int(self.skip) if self.skip != "auto" and int(self.skip) > 0 else None
+        """The layer whose residual stream the chunk caches keep: `skip`, if above 0."""
+        return self.skip or None
 
     def fuse(self, model: Decoder, layout: FuseLayout, ratio: float | None, ctx: FuseContext) -> Fused:
         r = self.default_ratio if ratio is None else ratio
-        skip = int(settle_skip(model.cfg, self.skip))
-        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead, self.cost, skip)
+        return query_aware(model, layout, r, self.layers, ctx, self.wide, self.weigh, self.ahead, self.cost,
+                           self.skip)
 
     def label(self, ratio: float | str | None) -> str:
         return self.name if ratio is None else f"{self.name}@{ratio}"
