@@ -115,6 +115,8 @@ class Engine:
             return fuse.for_model(fuse.get_fuser(mode), self.model.cfg)
         except KeyError:
             raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(fuse.modes())}") from None
+        except ValueError as e:  # an option this model cannot take (a skip past its last layer)
+            raise RequestError(str(e)) from None
 
     def validate(self, req: Request, mode: Mode, ratio: Ratio = None, max_tokens: int = 0) -> Fuser:
         """Check a request before any work; returns its fuser."""

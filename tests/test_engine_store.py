@@ -213,3 +213,7 @@ def test_query_aware_skip_reads_the_residual_streams_from_disk(tiny_models, tmp_
     assert not any(k in second.store for k in plain)
     from_zero = second.prefill(req, "queryaware", 0.3).fused.logits
     assert not torch.allclose(from_zero, warm, atol=1e-5) and all(k in second.store for k in plain)
+    from kvfuse.request import RequestError
+
+    with pytest.raises(RequestError, match="skip must be below"):
+        second.prefill(req, QueryAware(skip=second.cfg.num_layers), 0.3)
