@@ -224,7 +224,7 @@ class CacheManager:
         from functools import partial
 
         return [partial(self.store.promote, chunks.keys[i], [kv[i] for kv in loader.loaded],
-                        chunks.sources[i].positions, _residual(chunks.sources[i], chunks.residual))
+                        chunks.sources[i].positions, Residual.read(chunks.sources[i].residual_at, chunks.residual))
                 for i, p in enumerate(chunks.promote) if p]
 
     def precompute(self, req: Request, fuser: Fuser, pin: bool = False) -> float:
@@ -244,9 +244,3 @@ class CacheManager:
                 if key not in self.store:  # stored in any tier is enough: the request loads it
                     self.compute_chunk(c, key, behind, residual=residual)
         return time.perf_counter() - t0
-
-
-def _residual(source: LayerSource, layer: int | None) -> Residual | None:
-    """The source's residual stream at that layer, as a value to store with it (None: it has none)."""
-    hidden = source.residual_at(layer) if layer is not None else None
-    return Residual(layer, hidden.clone()) if layer is not None and hidden is not None else None

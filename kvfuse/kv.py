@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,6 +40,13 @@ class Residual:
     @property
     def nbytes(self) -> int:
         return self.hidden.numel() * self.hidden.element_size()
+
+    @staticmethod
+    def read(residual_at: Callable[[int], torch.Tensor | None], layer: int | None) -> Residual | None:
+        """A copy of a source's residual stream at that layer (`LayerSource.residual_at`, which may give
+        a view of a file), as a value to keep; None when there is no layer or the source has none."""
+        hidden = residual_at(layer) if layer is not None else None
+        return Residual(layer, hidden.clone()) if layer is not None and hidden is not None else None
 
 
 @dataclass(slots=True)

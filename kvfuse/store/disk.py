@@ -371,10 +371,8 @@ class DiskEntry:
 
     def read_all(self) -> KVCache:
         ks, vs = zip(*(self.layer(i) for i in range(self.layers)), strict=True)
-        layer = self._residual_layer
-        hidden = self.residual_at(layer) if layer is not None else None
-        residual = Residual(layer, hidden.clone()) if layer is not None and hidden is not None else None
-        return KVCache(torch.stack(ks), torch.stack(vs), self.positions, residual)
+        return KVCache(torch.stack(ks), torch.stack(vs), self.positions,
+                       Residual.read(self.residual_at, self._residual_layer))
 
 
 def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
