@@ -19,7 +19,7 @@ import torch
 from kvfuse import fuse
 from kvfuse.fuse import FuseContext, Fused, FuseLayout, Fuser
 from kvfuse.kv import KVCache, Residual, one_thread
-from kvfuse.loader import LayerLoader, LayerSource
+from kvfuse.loader import LayerLoader, LayerSource, OnDevice, on_device
 from kvfuse.model import Decoder
 from kvfuse.request import Request, Salt, SaltSpan, salt_ranges
 from kvfuse.store.base import CorruptEntryError
@@ -99,13 +99,13 @@ class CacheManager:
     def read_prefix(self, hashes: Sequence[BlockHash]) -> list[KVCache]:
         """The longest run of stored blocks at the start, in order, in the model's dtype."""
         blocks = []
-        dtype = self.model.compute_dtype
+        dtype, device = self.model.compute_dtype, self.model.device
         with one_thread():
             for h in hashes:
                 c = self.store.get(h)
                 if c is None:
                     break
-                blocks.append(c.to(dtype))
+                blocks.append(c.to(dtype, device))
         return blocks
 
     def store_prefix(self, hashes: Sequence[BlockHash], cache: KVCache, pin: bool = False) -> None:
@@ -161,7 +161,7 @@ class CacheManager:
         key = self.chunk_key(chunk, salt, preamble, residual)
         cache = self.store.get(key)
         if cache is not None:
-            return cache, True
+            return cache.to(device=self.model.device), True
         return self.compute_chunk(chunk, key, preamble, residual=residual), False
 
     def compute_chunk(self, chunk: Sequence[int], key: ChunkKey, preamble: Sequence[int] | None = None,
@@ -192,7 +192,7 @@ class CacheManager:
                 out.stored.append(False)
                 out.promote.append(False)
                 continue
-            out.sources.append(opened.source)
+            out.sources.append(on_device(opened.source, self.model.device))
             out.stored.append(True)
             out.promote.append(opened.promote)
             slowest = max(slowest, names.index(opened.tier))
@@ -206,7 +206,9 @@ class CacheManager:
         chunk recomputed, and the fusion run again."""
         for _ in range(len(chunks.sources) + 1):
             lazy = [i for i, p in enumerate(chunks.promote) if p]
-            loader = LayerLoader(chunks.sources, self.model.cfg.num_layers, pipelined=pipelined and bool(lazy))
+            # reads worth running ahead: a later tier's, and every copy from host memory to an accelerator
+            ahead = bool(lazy) or any(isinstance(s, OnDevice) for s in chunks.sources)
+            loader = LayerLoader(chunks.sources, self.model.cfg.num_layers, pipelined=pipelined and ahead)
             try:
                 with loader:
                     ctx = FuseContext(rotate, loader, room, pause)

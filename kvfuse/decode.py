@@ -109,10 +109,13 @@ def _probe(model: Decoder, limit: int, screen: GreedyHead | None, seed: int) -> 
     gen = torch.Generator().manual_seed(seed)
     ctx = 7 + 5 * seed
     shape = (cfg.num_layers, cfg.num_kv_heads, ctx, cfg.head_dim)
-    dtype = model.compute_dtype
-    caches = [KVCache(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype),
-                      torch.arange(ctx)) for _ in range(limit)]
-    toks = torch.randint(0, cfg.vocab_size, (limit,), generator=gen).tolist()
+    dtype, dev = model.compute_dtype, model.device
+
+    def rand() -> torch.Tensor:  # drawn on the generator's device (the CPU), then moved to the model's
+        return torch.randn(shape, generator=gen, device=gen.device).to(dev, dtype)
+
+    caches = [KVCache(rand(), rand(), torch.arange(ctx, device=dev)) for _ in range(limit)]
+    toks = torch.randint(0, cfg.vocab_size, (limit,), generator=gen, device=gen.device).tolist()
 
     def run(idx: list[int]) -> torch.Tensor:
         return step_hidden(model, [Slot(model, caches[j], 1) for j in idx], [toks[j] for j in idx])

@@ -11,11 +11,12 @@ chosen; it covers cache lookups, loads, any chunk computed on a miss, fusion and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -35,6 +36,23 @@ from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_model_device(fn: F) -> F:
+    """Run an Engine method with the model's device as the default for new tensors (`torch.device` as a
+    context), so that the engine's code names no device. On the CPU nothing is entered: the mode costs
+    a Python call per torch op, which a decoding step on a CPU would feel."""
+
+    @functools.wraps(fn)
+    def run(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        device = self.model.device
+        if device.type == "cpu":
+            return fn(self, *args, **kwargs)
+        with device:
+            return fn(self, *args, **kwargs)
+
+    return cast(F, run)
 
 BLOCK_SIZE = 16
 MAX_DECODE_BATCH = 8  # the most requests one decoding step may carry (fewer if the check says so)
@@ -67,22 +85,28 @@ class Engine:
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # decode_batch_limit's checked answer
-        self.blend_error: str | None = check_fusion(model, self.preamble, rotate) if self_check else None
+        self.blend_error: str | None = self._self_check() if self_check else None
         if self.blend_error:
             log.warning("%s", self.blend_error)
+
+    @on_model_device
+    def _self_check(self) -> str | None:
+        return check_fusion(self.model, self.preamble, self._rotate)
 
     @classmethod
     def load(
         cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
-        capacity: Mapping[str, int] | None = None, remote: Remote | None = None, **kwargs: object
+        capacity: Mapping[str, int] | None = None, remote: Remote | None = None, device: str = "cpu",
+        **kwargs: object
     ) -> Engine:
-        """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`), open its
-        store (memory, plus disk at store_dir, plus a shared Redis at `remote`; `capacity`: bytes per
-        tier name) and run the self-check."""
+        """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`) on a device
+        (the CPU, or an accelerator such as "cuda": the engine computes there, the store stays in host
+        memory and on disk), open its store (memory, plus disk at store_dir, plus a shared Redis at
+        `remote`; `capacity`: bytes per tier name) and run the self-check."""
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
-        loaded = load_model(path, precision)
+        loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
 
@@ -147,6 +171,7 @@ class Engine:
                 f"window is {limit} tokens; shorten the context or lower max_tokens"
             )
 
+    @on_model_device
     def precompute(self, req: Request, mode: Mode, pin: bool = False) -> float:
         """Prepare the caches that `mode` reads for this request; returns the seconds spent."""
         with torch.inference_mode():
@@ -154,6 +179,7 @@ class Engine:
 
     # -- prefill -----------------------------------------------------------------------------------
 
+    @on_model_device
     @torch.inference_mode()
     def prefill(self, req: Request, mode: Mode = "full", ratio: Ratio = None, room: int = 0) -> Prefilled:
         """Build the request's KV cache and the last prompt token's hidden state (`Fused.logits` gives
@@ -222,7 +248,9 @@ class Engine:
         """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
         if self._greedy_head is False:
             fp32 = self.precision == "fp32"  # the screen's bound is for a float32 head
-            self._greedy_head = GreedyHead.build(self.model.head_weight()) if self.greedy_screen and fp32 else None
+            cpu = self.model.device.type == "cpu"  # it pays for a CPU's memory bandwidth, not an accelerator's
+            use = self.greedy_screen and fp32 and cpu
+            self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None
         return self._greedy_head  # type: ignore[return-value]
 
     def stream(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
@@ -256,6 +284,7 @@ class Engine:
         return self._begin(req, self.validate(req, mode, ratio, params.max_tokens), ratio, params, score,
                            record_logits, pause)
 
+    @on_model_device
     @torch.inference_mode()
     def _begin(self, req: Request, fuser: Fuser, ratio: Ratio, params: SamplingParams,
                score: Sequence[int] | None, record_logits: bool, pause: fuse.Pause = fuse.no_pause) -> Decoding:
@@ -279,6 +308,7 @@ class Engine:
         d.take(first)
         return d
 
+    @on_model_device
     @torch.inference_mode()
     def advance(self, batch: Sequence[Decoding]) -> None:
         """Move every unfinished request in the batch on by one token, stepping them together in groups
@@ -312,6 +342,7 @@ class Engine:
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
 
+    @on_model_device
     def decode_batch_limit(self) -> int:
         """How many requests `advance` steps together on this model and machine with every answer
         unchanged, up to MAX_DECODE_BATCH (checked once: about a second on Gemma 3 270M)."""
@@ -338,6 +369,7 @@ class Engine:
         finally:
             out.result = d.close()
 
+    @on_model_device
     @torch.inference_mode()
     def _score(self, fused: fuse.Fused, ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits (len(ids), vocab): row i predicts ids[i] after the prompt and ids[:i]."""

@@ -10,6 +10,8 @@ import torch
 
 from kvfuse.config import ModelConfig
 
+HOST = torch.device("cpu")  # where the store keeps caches, whatever device computes them
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:
@@ -110,13 +112,21 @@ class KVCache:
         return KVCache(self.k.clone(), self.v.clone(), self.positions.clone(),
                        Residual(r.layer, r.hidden.clone()) if r is not None else None)
 
-    def to(self, dtype: torch.dtype) -> KVCache:
-        """K, V and the residual in that dtype."""
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KVCache:
+        """K, V and the residual in that dtype (None: as they are), every tensor on that device (None:
+        where it is); the cache itself when nothing changes."""
         r = self.residual
-        if dtype == self.k.dtype and (r is None or r.hidden.dtype == dtype):
+        dtype = self.k.dtype if dtype is None else dtype
+        dev = self.k.device if device is None else torch.device(device)
+        same = dev == self.k.device and self.positions.device == dev
+        if same and dtype == self.k.dtype and (r is None or (r.hidden.dtype == dtype and r.hidden.device == dev)):
             return self
-        return KVCache(self.k.to(dtype), self.v.to(dtype), self.positions,
-                       Residual(r.layer, r.hidden.to(dtype)) if r is not None else None)
+        return KVCache(self.k.to(dev, dtype), self.v.to(dev, dtype), self.positions.to(dev),
+                       Residual(r.layer, r.hidden.to(dev, dtype)) if r is not None else None)
 
     @staticmethod
     def concat(caches: list[KVCache]) -> KVCache:

@@ -36,6 +36,35 @@ class LayerSource(Protocol):
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class OnDevice:
+    """A stored cache (host memory, a file) read onto the device that computes: its positions once, each
+    layer when it is read (by the loader's thread, when pipelined), the residual stream when asked."""
+
+    def __init__(self, source: LayerSource, device: torch.device) -> None:
+        self.source, self.device = source, device
+        self.positions = source.positions.to(device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.source.layer(i)
+        return k.to(self.device), v.to(self.device)
+
+    def residual_at(self, layer: int) -> torch.Tensor | None:
+        hidden = self.source.residual_at(layer)
+        return hidden.to(self.device) if hidden is not None else None
+
+
+def on_device(source: LayerSource, device: torch.device) -> LayerSource:
+    """The source itself where it already lives on that device, else read through `OnDevice`."""
+    return source if source.positions.device == device else OnDevice(source, device)
+
+
 def _lower_priority() -> None:
     """Run the loader below the compute threads. On a CPU machine the recompute keeps every core busy,
     and a loader at equal priority preempts the matmul threads, which then wait on each other at every

@@ -188,6 +188,11 @@ class Decoder(nn.Module):
         return cast(Block, self.layers[i])
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are, and so where every tensor of a request's computation lives."""
+        return self.norm.weight.device
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of hidden states and of the KV this model computes (its precision's, `precision.py`)."""
         return self.norm.weight.dtype
@@ -381,7 +386,7 @@ class Decoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (T, vocab) of a full forward pass, optionally under a custom (T, T) boolean mask."""
-        pos = torch.arange(ids.shape[0])
+        pos = torch.arange(ids.shape[0], device=ids.device)
         h = self.embed(ids)
         for i in range(self.cfg.num_layers):
             q, k, v = self.project(i, h, pos)

@@ -17,11 +17,14 @@ from kvfuse.config import RopeSpec
 
 
 @lru_cache(maxsize=64)
-def inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
-    """Inverse frequencies, shape (head_dim // 2,), float32, with the spec's scaling applied.
+def inv_freq(head_dim: int, spec: RopeSpec, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies, shape (head_dim // 2,), float32, with the spec's scaling applied, on the
+    device (None: the CPU, where they are always computed).
 
-    Cached per (head_dim, spec): every layer of every decoding step asks for it. Do not modify it."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    Cached per (head_dim, spec, device): every layer of every decoding step asks for it. Do not modify it."""
+    if device is not None and device.type != "cpu":
+        return inv_freq(head_dim, spec).to(device)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     freq = 1.0 / (spec.base**exponents)
     if spec.kind == "linear":
         return freq / spec.factor
@@ -41,7 +44,8 @@ def inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for integer positions (T,), each of shape (T, head_dim), float32."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq(head_dim, spec)[None, :]  # (T, D/2)
+    freq = inv_freq(head_dim, spec, positions.device if positions.device.type != "cpu" else None)
+    angles = positions.to(torch.float32)[:, None] * freq[None, :]  # (T, D/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, D)
     return angles.cos(), angles.sin()
 

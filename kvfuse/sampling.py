@@ -54,19 +54,22 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
         return logits
     out = logits.float().clone()
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias])
-        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias]))
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], device=out.device))
     if generated and (params.presence_penalty or params.frequency_penalty):
         counts = Counter(generated)
-        ids = torch.tensor(list(counts))
-        n = torch.tensor(list(counts.values()), dtype=torch.float32)
+        ids = torch.tensor(list(counts), device=out.device)
+        n = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
         out.index_add_(0, ids, -(n * params.frequency_penalty + params.presence_penalty))
     return out
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            generated: Sequence[int] = ()) -> int:
-    """Pick a token id from next-token logits (vocab,), after `generated` tokens of this completion."""
+    """Pick a token id from next-token logits (vocab,), after `generated` tokens of this completion (on
+    the generator's device, when one is given)."""
+    if generator is not None:
+        logits = logits.to(generator.device)
     logits = adjusted(logits, params, generated)
     if params.temperature < MIN_TEMPERATURE:  # 0 means greedy; tinier ones would overflow the softmax
         return int(torch.argmax(logits))

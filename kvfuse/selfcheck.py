@@ -34,7 +34,7 @@ def check_fusion(model: Decoder, preamble: Sequence[int], rotate: fuse.Rerotate)
     vocab = cfg.vocab_size
 
     def rand(n: int) -> tuple[int, ...]:
-        return tuple(int(x) for x in torch.randint(min(4, vocab - 1), vocab, (n,), generator=g))
+        return tuple(int(x) for x in torch.randint(min(4, vocab - 1), vocab, (n,), generator=g, device=g.device))
 
     prefix, chunks, suffix = tuple(preamble) + rand(3), (rand(9), rand(12), rand(7)), rand(4)
     ids = list(prefix) + [t for c in chunks for t in c] + list(suffix)

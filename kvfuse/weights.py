@@ -66,10 +66,15 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
     return p
 
 
-def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION) -> LoadedModel:
+def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION,
+               device: str | torch.device = "cpu") -> LoadedModel:
     """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode, at a precision
-    (`precision.PRECISIONS`), fingerprinted with it."""
+    (`precision.PRECISIONS`), fingerprinted with it, on a device (the CPU, or an accelerator torch
+    knows: each part is moved there before it is converted, so nothing CPU-only is built for it)."""
     dtype = load_dtype(precision)
+    dev = torch.device(device)
+    if dev.type != "cpu" and precision == "int8":
+        raise ValueError(f"precision int8 runs on the CPU only (torch's x86 int8 kernels); on {dev} use fp32 or bf16")
 
     root = resolve_model_path(path)
     cfg = ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))
@@ -96,7 +101,10 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
             continue
         state = _read_part(index, part, dtype)
         stack_checkpoint(state)
-        model.get_submodule(part).load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
+        module = model.get_submodule(part)
+        module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
+        if dev.type != "cpu":
+            module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
         convert_part(model, part, precision)
     model.eval().requires_grad_(False)

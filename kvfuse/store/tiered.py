@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from kvfuse.kv import KVCache, Residual
+from kvfuse.kv import HOST, KVCache, Residual
 from kvfuse.loader import LayerKV, LayerSource
 from kvfuse.store.base import SharedLocks, Tier
 from kvfuse.store.keys import CacheKey
@@ -119,7 +119,7 @@ class TieredStore:
 
         k, v = torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
         assert isinstance(positions, torch.Tensor)
-        self.tiers[0].put(key, KVCache(k, v, positions, residual))
+        self.tiers[0].put(key, KVCache(k, v, positions, residual).to(device=HOST))
 
     def drop_corrupt(self, key: CacheKey, why: str) -> None:
         """An entry failed verification while being read: forget it in every tier."""
@@ -133,6 +133,9 @@ class TieredStore:
         self.stats.tier_hits[tier] = self.stats.tier_hits.get(tier, 0) + 1
 
     def put(self, key: CacheKey, cache: KVCache, pin: bool = False) -> bool:
+        """Store an entry in the first tier (and, by the writer, in every later one); an entry computed
+        on an accelerator is copied to host memory first."""
+        cache = cache.to(device=HOST)
         stored = self.tiers[0].put(key, cache, pin)
         if len(self.tiers) > 1:  # the writer asks each later tier whether it has the key (a remote tier's
             self._start_writer()  # lookup stays off the caller's thread)
