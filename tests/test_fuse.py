@@ -378,15 +378,44 @@ def test_query_aware_weigh_and_ahead(models, family: str) -> None:
         _assert_close(fuse.query_aware(m, layout, 1.0, **options).logits, full.logits, f"{family} {options}@1", 1e-4)
     with pytest.raises(ValueError, match="weigh"):
         fuse.QueryAware(weigh="max")
-    # weigh "auto": "share" where every layer counts, "mass" where only the full-attention layers do
+    # weigh "auto": "value" where every layer counts, "mass" where only the full-attention layers do
     auto, _ = suffix_attention(m, layout, "all")
-    assert torch.equal(auto, shared)
+    assert torch.equal(auto, suffix_attention(m, layout, "all", weigh="value")[0])
     slides = any(m.cfg.window(i) is not None for i in range(m.cfg.num_layers))
     settled = fuse.for_model(fuse.get_fuser("queryaware"), m.cfg)
-    assert isinstance(settled, fuse.QueryAware) and settled.weigh == ("mass" if slides else "share")
+    assert isinstance(settled, fuse.QueryAware) and settled.weigh == ("mass" if slides else "value")
     assert fuse.for_model(settled, m.cfg) == settled and fuse.for_model(fuse.Blend(), m.cfg) == fuse.Blend()
     glob, _ = suffix_attention(m, layout, "global")
     assert torch.equal(glob, suffix_attention(m, layout, "global", weigh=settled.weigh)[0])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_query_aware_value_weigh(models, family: str) -> None:
+    """`weigh=value` counts each token's probability times the L1 norm of its value vector, normalised
+    again per head and query: a loop over heads, queries and tokens is its oracle; it changes the
+    scores but not ratio 1.0 (full prefill), and with values of equal norm it is `share` itself."""
+    from kvfuse.fuse.queryaware import suffix_attention, value_weighted
+
+    g = torch.Generator().manual_seed(7)
+    probs = torch.rand(6, 3, 5, generator=g)
+    probs /= probs.sum(-1, keepdim=True)
+    values = torch.randn(2, 5, 4, generator=g)
+    got = value_weighted(probs, values, 6)
+    for h in range(6):
+        for s in range(3):
+            w = [float(probs[h, s, c]) * float(values[h // 3, c].abs().sum()) for c in range(5)]
+            assert torch.allclose(got[h, s], torch.tensor(w) / sum(w), atol=1e-6)
+    same = torch.ones(2, 5, 4) * torch.tensor([1.0, -1.0, 1.0, -1.0])  # every token's |v|_1 is 4
+    assert torch.allclose(value_weighted(probs, same, 6), probs, atol=1e-6)
+
+    m = models[family]
+    full, layout, _, _ = _fused_case(m, 6)
+    shared, _ = suffix_attention(m, layout, "all", weigh="share")
+    valued, _ = suffix_attention(m, layout, "all", weigh="value")
+    assert not torch.allclose(shared, valued)
+    assert torch.isclose(valued.sum(), shared.sum(), rtol=1e-4)  # one vote per head, query and counted layer
+    _assert_close(fuse.query_aware(m, layout, 1.0, weigh="value").logits, full.logits, f"{family} value@1", 1e-4)
+    assert fuse.for_model(fuse.QueryAware(weigh="value"), m.cfg) == fuse.QueryAware(weigh="value")
 
 
 def _naive_hidden(m, ids: torch.Tensor, layer: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

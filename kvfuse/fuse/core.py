@@ -44,9 +44,10 @@ from kvfuse.rope import rerotate_into
 Rerotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, RopeSpec], None]
 # (k_new, v_new, k_old, v_old) -> per-token deviation (T,); swap it for ablations (random choice, say)
 Deviation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (layer, q, q_rows, keys, key_positions): sees each layer's queries, at their positions, and all its keys
-# (kv_heads, total, head_dim) once they are in place; query-aware selection reads the suffix's attention here
-Observe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (layer, q, q_rows, keys, values, key_positions): sees each layer's queries, at their positions, and all its
+# keys and values (kv_heads, total, head_dim) once they are in place; query-aware selection reads the suffix's
+# attention here
+Observe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # called between pieces of a build (see the module docstring); it must not touch the build's tensors
 Pause = Callable[[], None]
 PREFILL_SLICE = 512  # prefill rows per piece of a layer: short enough to pause often, long enough to stay fast
@@ -383,7 +384,7 @@ def fuse_chunks(
                 q, k, v = model.project(i, h, rows, plan)
             k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
             if observe is not None:
-                observe(i, q, q_rows, k_buf[i, :, :total], pos_all)
+                observe(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all)
             a = model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all, plan)
             h = model.finish(i, h, a)
             cand = cand[top]

@@ -19,10 +19,13 @@ Options (`queryaware@R:option=value`):
   behind a copy of itself, which measured best among the order-free preambles.
 - `weigh`: how a token's score adds up: "mass" sums the attention probabilities, so a head that looks
   mostly at the prefix or at itself adds little; "share" first normalises each head's and query's
-  attention over the chunk tokens, so every head has one vote. "auto" (the default) is "share" where
-  every layer's attention counts (a model without sliding layers: many layers, each head's vote
-  matters) and "mass" where only a few full-attention layers count (Gemma 3's 3 of 18): what each
-  model's calibration set measured best (docs/benchmarks.md).
+  attention over the chunk tokens, so every head has one vote; "value" is "share" with each token's
+  probability multiplied by the L1 norm of its value vector (then normalised again), so a token a head
+  looks at but whose value adds little to its output counts less (VATP, arXiv 2406.12335). "auto" (the
+  default) is "value" where every layer's attention counts (a model without sliding layers: many
+  layers, each head's vote matters) and "mass" where only a few full-attention layers count (Gemma 3's
+  3 of 18): what each model's calibration set measured best (docs/benchmarks.md; on SmolLM2 "value"
+  edged out "share", which it replaced at stop 37).
 - `cost`: what the ratio R budgets. "tokens" (the default) recomputes the top R of the chunk tokens by
   score. "work" makes R a share of the recompute work instead (`recompute_work`: a token's matmuls plus
   its attention over the keys before it, so a late token costs more than an early one) and takes tokens
@@ -68,10 +71,10 @@ def counted_layers(cfg: ModelConfig, layers: str) -> set[int]:
 
 
 def settle_weigh(cfg: ModelConfig, layers: str, weigh: str) -> str:
-    """weigh "auto" for this model: "share" when every layer counts, else "mass" (see the module docstring)."""
+    """weigh "auto" for this model: "value" when every layer counts, else "mass" (see the module docstring)."""
     if weigh != "auto":
         return weigh
-    return "share" if len(counted_layers(cfg, layers)) == cfg.num_layers else "mass"
+    return "value" if len(counted_layers(cfg, layers)) == cfg.num_layers else "mass"
 
 
 def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
@@ -92,11 +95,14 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
     n = start + layout.chunk_tokens
     score = torch.zeros(layout.chunk_tokens)
 
-    def observe(i: int, q: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> None:
+    def observe(i: int, q: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                k_pos: torch.Tensor) -> None:
         mine = q_rows >= n  # the suffix's queries
         if i in counted and bool(mine.any()):
             # (heads, S, C); "share": normalised over the chunk tokens, so every head and query has one vote
-            probs = model.attention_to(i, q[:, mine], q_rows[mine], keys, k_pos, start, n, weigh == "share")
+            probs = model.attention_to(i, q[:, mine], q_rows[mine], keys, k_pos, start, n, weigh != "mass")
+            if weigh == "value":  # each token's share of what the head reads: probability times |value|
+                probs = value_weighted(probs, values[:, start:n], cfg.num_heads)
             score.add_(probs.sum(dim=(0, 1)))
 
     reuse = [0] * cfg.num_layers
@@ -110,6 +116,16 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
         out = fuse_chunks(model, longer, reuse, placed=first.buffers, observe=observe if j == ahead - 1 else None,
                           pause=ctx.pause)
     return score, first
+
+
+def value_weighted(probs: torch.Tensor, values: torch.Tensor, heads: int) -> torch.Tensor:
+    """(heads, S, C) attention shares over the chunk tokens reweighted by the L1 norm of each token's value
+    vector (VATP, arXiv 2406.12335: what a token adds to a head's output is its probability times its value)
+    and normalised again, so every head and query still has one vote. `values` is (kv_heads, C, head_dim);
+    the query heads that share a kv head share its norms."""
+    norms = values.float().abs().sum(-1).repeat_interleave(heads // values.shape[0], 0)  # (heads, C)
+    w = probs * norms[:, None, :]
+    return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
 
 
 def recompute_work(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
@@ -192,7 +208,8 @@ class QueryAware:
     layers: str = "global"  # "global": only the full-attention layers' attention counts; or "all"
     wide: float = 0.0  # > ratio: the first layers recompute this share, narrowed by deviation after
     behind: str = "self"  # chunks computed behind a copy of themselves (see registry.BEHIND)
-    weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "auto": by the model
+    weigh: str = "auto"  # "mass": probabilities summed; "share": each head's normalised; "value": share x |v|;
+    # "auto": by the model
     ahead: int = 0  # tokens drafted on the reused cache whose attention counts too
     cost: str = "tokens"  # what the ratio budgets: "tokens", or "work" (score per unit of recompute work)
     skip: int = 0  # the layer pass 2 begins at, from the chunks' residual streams (0: recompute from the first)
@@ -202,8 +219,8 @@ class QueryAware:
             raise ValueError(f"layers must be 'all' or 'global', got {self.layers!r}")
         if not 0.0 <= self.wide <= 1.0:
             raise ValueError(f"wide must be between 0 and 1, got {self.wide}")
-        if self.weigh not in ("auto", "mass", "share"):
-            raise ValueError(f"weigh must be 'auto', 'mass' or 'share', got {self.weigh!r}")
+        if self.weigh not in ("auto", "mass", "share", "value"):
+            raise ValueError(f"weigh must be 'auto', 'mass', 'share' or 'value', got {self.weigh!r}")
         if self.cost not in ("tokens", "work"):
             raise ValueError(f"cost must be 'tokens' or 'work', got {self.cost!r}")
         if self.skip < 0:
