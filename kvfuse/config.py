@@ -23,6 +23,10 @@ class CheckpointError(ValueError):
     """A model directory is missing files or holds tensors that do not fit its config."""
 
 
+class UnsupportedDeviceError(ValueError):
+    """A device torch cannot parse, has no backend for here, or cannot run this precision on."""
+
+
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
     """RoPE parameters of one layer type. `kind` is 'default', 'linear' or 'llama3'."""

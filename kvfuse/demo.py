@@ -35,7 +35,7 @@ def _show(a: Answer) -> None:
           f"{cu['total']:.0f} (without a cache: {t['prompt']})")
 
 
-def run_demo(model: str | None = None, store: str | None = None, precision: str = "fp32") -> int:
+def run_demo(model: str | None = None, store: str | None = None, precision: str = "fp32", device: str = "cpu") -> int:
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
     from kvfuse.runtime import open_engine, open_kb, store_dir
@@ -43,7 +43,7 @@ def run_demo(model: str | None = None, store: str | None = None, precision: str 
 
     print("Loading the model (the first run converts Gemma 3 270M once)...", flush=True)
     where = store_dir(store)
-    rt = open_engine(model, where, precision=precision)
+    rt = open_engine(model, where, precision=precision, device=device)
     engine, tok = rt.engine, rt.tok
     kb = open_kb("albaran", rt, where)
     r = kb.build(GROUP, progress=True)

@@ -39,19 +39,21 @@ class Opened:
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
                 precision: str = "fp32", capacity: dict[str, int] | None = None,
-                remote: Remote | None = None) -> Opened:
-    """Load the checkpoint (default: Gemma 3 270M) at a precision, with its store (and a shared Redis
-    tier at `remote`) and tokenizer."""
+                remote: Remote | None = None, device: str = "cpu") -> Opened:
+    """Load the checkpoint (default: Gemma 3 270M) at a precision on a device (`weights.check_device`),
+    with its store (and a shared Redis tier at `remote`) and tokenizer."""
     import torch
 
     from kvfuse.engine import Engine
     from kvfuse.text.tokenizer import Tokenizer
-    from kvfuse.weights import resolve_model_path
+    from kvfuse.weights import check_device, resolve_model_path
 
+    check_device(device, precision)  # a device that cannot run is refused before anything is read
     path = Path(resolve_model_path(model))
     kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
     tok = Tokenizer(path)  # first: parsing its file takes a few hundred MB for a moment, before the weights are in
-    engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv)
+    engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv,
+                         device=device)
     return Opened(engine, tok, path)
 
 
@@ -64,7 +66,7 @@ def attach_controller(engine: Engine, store: Path | None, measure: bool = True, 
     from kvfuse.control.profile import load_calibration, load_or_profile, profile_path
     from kvfuse.weights import cache_dir
 
-    if not measure and not profile_path(cache_dir(), engine.fingerprint).is_file():
+    if not measure and not profile_path(cache_dir(), engine.fingerprint, engine.model.device).is_file():
         return
     calibration = load_calibration(cache_dir(), engine.fingerprint)  # `kvfuse calibrate`'s floors, if measured
     engine.controller = Controller(load_or_profile(engine, cache_dir(), store, costs=costs), floor, calibration)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvfuse.config import CheckpointError, ModelConfig
+from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError
 from kvfuse.heap import return_freed_memory
 from kvfuse.model import Decoder, stack_checkpoint
 from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype
@@ -66,15 +66,40 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
     return p
 
 
+def check_device(device: str | torch.device, precision: str = DEFAULT_PRECISION) -> torch.device:
+    """The device a model would run on, checked before anything is read: torch must parse the name, have
+    that backend and the device's index here, and the precision must run there (int8's kernels are x86
+    CPU ones). Raises UnsupportedDeviceError saying what to use instead."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UnsupportedDeviceError(
+            f"device {device!r} is not a device torch knows ({e}); use cpu, cuda or cuda:N") from None
+    if dev.type == "meta":
+        raise UnsupportedDeviceError("device meta holds no data; use cpu or an accelerator such as cuda")
+    if dev.type != "cpu" and precision == "int8":
+        raise UnsupportedDeviceError(f"precision int8 runs on the CPU only (torch's x86 int8 kernels); "
+                                     f"on {dev} use fp32 or bf16")
+    if dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise UnsupportedDeviceError(f"device {dev} is not available in this torch ({torch.__version__}) on this "
+                                         "machine; use cpu")
+        count = getattr(backend, "device_count", None)
+        if dev.index is not None and count is not None and dev.index >= count():
+            raise UnsupportedDeviceError(f"device {dev}: this machine has {count()} {dev.type} device(s), "
+                                         f"numbered from 0")
+    return dev
+
+
 def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION,
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode, at a precision
     (`precision.PRECISIONS`), fingerprinted with it, on a device (the CPU, or an accelerator torch
     knows: each part is moved there before it is converted, so nothing CPU-only is built for it)."""
     dtype = load_dtype(precision)
-    dev = torch.device(device)
-    if dev.type != "cpu" and precision == "int8":
-        raise ValueError(f"precision int8 runs on the CPU only (torch's x86 int8 kernels); on {dev} use fp32 or bf16")
+    dev = check_device(device, precision)
 
     root = resolve_model_path(path)
     cfg = ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))

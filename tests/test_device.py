@@ -63,6 +63,49 @@ def test_int8_is_refused_off_the_cpu(tiny_models) -> None:  # type: ignore[no-un
         load_model(tiny_models["llama"][0], "int8", "cuda")
 
 
+@pytest.mark.parametrize(("device", "says"), [
+    ("bogus", "not a device torch knows"),
+    ("meta", "holds no data"),
+    pytest.param("cuda", "not available", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    pytest.param("cuda:99", "numbered from 0",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+])
+def test_a_device_that_cannot_run_is_refused_before_loading(tiny_models, device: str, says: str) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.config import UnsupportedDeviceError
+    from kvfuse.weights import check_device
+
+    assert check_device("cpu") == HOST
+    with pytest.raises(UnsupportedDeviceError, match=says):
+        check_device(device)
+    with pytest.raises(UnsupportedDeviceError, match=says):
+        load_model(tiny_models["llama"][0], device=device)
+
+
+def test_the_cli_names_a_bad_device_and_loads_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--device` on every command that loads a model: one it cannot use is a one-line error, before a
+    model is resolved (a missing --model directory would otherwise be the error)."""
+    from kvfuse.cli.main import main
+
+    (tmp_path / "c.txt").write_text("a chunk")
+    for argv in (["generate", "--chunk-file", str(tmp_path / "c.txt"), "--question", "q"],
+                 ["serve", "--store", str(tmp_path / "s")], ["calibrate", "--cases", "2"]):
+        with pytest.raises(SystemExit, match="kvfuse: device 'bogus' is not a device torch knows"):
+            main([*argv, "--model", str(tmp_path / "no-model"), "--device", "bogus"])
+    with pytest.raises(SystemExit, match="int8 runs on the CPU only"):
+        main(["generate", "--chunk-file", str(tmp_path / "c.txt"), "--question", "q", "--precision", "int8",
+              "--device", "cuda"])
+
+
+def test_each_device_type_has_its_own_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.control.profile import profile_path
+
+    cpu = profile_path(tmp_path, "f" * 64)
+    assert cpu == profile_path(tmp_path, "f" * 64, torch.device("cpu"))
+    assert cpu.name.endswith(".json") and "-cuda" not in cpu.name
+    gpu = profile_path(tmp_path, "f" * 64, torch.device("cuda"))
+    assert gpu != cpu and gpu.name.endswith("-cuda.json")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_an_engine_on_cuda_answers_like_the_cpu(tiny_models, family: str) -> None:  # type: ignore[no-untyped-def]

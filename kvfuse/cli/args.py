@@ -39,6 +39,9 @@ def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
                    help="weights and activations: fp32, bf16, or int8 weights with float32 activations "
                         f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
+    p.add_argument("--device", default="cpu",
+                   help="where the model computes: cpu (the default), or an accelerator torch has here, such as "
+                        "cuda or cuda:1 (fp32 or bf16); the KV store stays in host memory and on disk")
 
 
 def store_flag(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvfuse: {e}") from None
     serve_args = ["--model", args.model] if args.model else []
-    serve_args += ["--precision", args.precision, "--log-level", "warning"]
+    serve_args += ["--precision", args.precision, "--device", args.device, "--log-level", "warning"]
     for kb in args.kb:
         serve_args += ["--kb", kb]
     if args.keys:

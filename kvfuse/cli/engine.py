@@ -77,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise fail(e) from None
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args))
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device)
     engine, tok = rt.engine, rt.tok
     attach_controller(engine, where, FUSERS[args.mode].takes_ratio, args.floor)
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
@@ -122,7 +122,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args))
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device)
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)
@@ -177,7 +177,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvfuse: --floor must be between 0 and 1, got {args.floor}")
     costs = _costs(args.cost)
     where = store_dir(args.store, args.no_store)
-    engine = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args)).engine
+    engine = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args),
+                         device=args.device).engine
     prof = load_or_profile(engine, cache_dir(), where, refresh=args.refresh, costs=costs)
     ctl = Controller(prof, args.floor)
     out = {
@@ -198,4 +199,4 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvfuse.demo import run_demo
 
-    return run_demo(args.model, args.store, args.precision)
+    return run_demo(args.model, args.store, args.precision, args.device)

@@ -75,7 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods) if args.action is None else []
     except (DataError, ValueError) as e:
         raise SystemExit(f"kvfuse: {e}") from None
-    engine, tok, name = _engine(args.model, args.precision)
+    engine, tok, name = _engine(args.model, args.precision, args.device)
     out = Path(args.out)
     if args.action == "deviation":
         from kvfuse.eval.deviation import run_deviation
@@ -109,11 +109,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(model: str | None, precision: str):  # type: ignore[no-untyped-def]
+def _engine(model: str | None, precision: str, device: str):  # type: ignore[no-untyped-def]
     from kvfuse.runtime import open_engine
 
-    print(f"loading {model or 'the default model'} ({precision})", file=sys.stderr, flush=True)
-    rt = open_engine(model, None, precision=precision)
+    print(f"loading {model or 'the default model'} ({precision}, {device})", file=sys.stderr, flush=True)
+    rt = open_engine(model, None, precision=precision, device=device)
     return rt.engine, rt.tok, rt.model_id
 
 
@@ -170,7 +170,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target = DEFAULT_TARGET_KL if args.target_kl is None else args.target_kl
     if target <= 0 or args.cases <= 0 or args.answer_tokens <= 0:
         raise SystemExit("kvfuse: --target-kl, --cases and --answer-tokens must be positive")
-    engine, tok, name = _engine(args.model, args.precision)
+    engine, tok, name = _engine(args.model, args.precision, args.device)
     seed = DEFAULT_SEED if args.seed is None else args.seed
     cases = cases_from(make_cases(args.cases, seed, lambda text: len(tok.encode(text))), "the calibration set")
     cal = calibrate(engine, tok, cases, fusers, ratios, target, args.answer_tokens, seed, progress=not args.quiet)

@@ -80,7 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32",
-            shared: Remote | None = None) -> Any:
+            shared: Remote | None = None, device: str = "cpu") -> Any:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
 
@@ -89,7 +89,7 @@ def open_kb(path: str, model: str | None, store: str | None, precision: str = "f
     except KBError as e:
         raise _fail(e) from None
     where = store_dir(store)
-    rt = open_engine(model, where, precision=precision, remote=shared)
+    rt = open_engine(model, where, precision=precision, remote=shared, device=device)
     return KnowledgeBase(rt.engine, rt.tok, manifest, state_dir=where)
 
 
@@ -107,7 +107,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
     if args.action == "stats":
         return _stats(args)
-    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args))
+    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args), args.device)
     try:
         report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
     except KBError as e:
@@ -194,7 +194,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             index = Index.load(args.index)
         except RetrievalIndexError as e:
             raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args))
+    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args), args.device)
     group = _group(kb, args.group)
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
@@ -239,7 +239,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         questions = load_questions(args.questions)[: args.cases]
     except KBError as e:
         raise _fail(e) from None
-    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args))
+    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args), args.device)
     group = _group(kb, args.group)
     try:
         res = run_compare(kb, questions, methods, group, max_tokens=args.max_tokens, progress=not args.quiet,

@@ -22,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvfuse.config import CheckpointError, UnsupportedModelError
+    from kvfuse.config import CheckpointError, UnsupportedDeviceError, UnsupportedModelError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (CheckpointError, UnsupportedModelError) as e:  # a bad --model, for every command
+    except (CheckpointError, UnsupportedModelError, UnsupportedDeviceError) as e:  # a bad --model or --device
         raise SystemExit(f"kvfuse: {e}") from None
 
 

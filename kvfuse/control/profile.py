@@ -16,19 +16,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvfuse.control.policy import DEFAULT_COST_PER_GB, Calibration, Profile, TierProfile, calibration_path
+from kvfuse.kv import HOST
 
 if TYPE_CHECKING:
     from kvfuse.engine import Engine
 
 
-def profile_path(cache_dir: Path, model_fp: str) -> Path:
-    return cache_dir / "profiles" / f"{model_fp[:16]}-{platform.node() or 'machine'}.json"
+def profile_path(cache_dir: Path, model_fp: str, device: torch.device = HOST) -> Path:
+    """Where the model's profile on this machine is kept: one per device type, as a prefill's cost is the
+    device's (the CPU's keeps the name it always had)."""
+    on = "" if device.type == "cpu" else f"-{device.type}"
+    return cache_dir / "profiles" / f"{model_fp[:16]}-{platform.node() or 'machine'}{on}.json"
 
 
 def load_or_profile(engine: Engine, cache_dir: Path, store_dir: Path | None, refresh: bool = False,
                     costs: dict[str, float] | None = None) -> Profile:
     """The saved profile of this model on this machine, measuring it first if there is none."""
-    path = profile_path(cache_dir, engine.fingerprint)
+    path = profile_path(cache_dir, engine.fingerprint, engine.model.device)
     if path.is_file() and not refresh:
         try:
             return Profile.from_json(json.loads(path.read_text()))
@@ -56,14 +60,14 @@ def measure(engine: Engine, store_dir: Path | None, costs: dict[str, float] | No
     sample = None
     with torch.inference_mode():
         for n in lengths:
-            ids = torch.randint(4, cfg.vocab_size, (n,), generator=gen)
+            ids = torch.randint(4, cfg.vocab_size, (n,), generator=gen).to(engine.model.device)
             times = []
             for _ in range(2):
                 t0 = time.perf_counter()
                 out = fuse.prefill(engine.model, ids)
                 times.append(time.perf_counter() - t0)
             per_token[n] = min(times) / n
-            sample = out.cache.to(engine.kv_dtype)
+            sample = out.cache.to(engine.kv_dtype, HOST)  # the store's tiers hold host tensors
     assert sample is not None
     kv_per_token = sample.nbytes // len(sample)
     tiers = {"memory": TierProfile(_copy_rate(sample), costs["memory"])}

@@ -73,7 +73,8 @@ def fidelity(reference: torch.Tensor, method: torch.Tensor, answer: Sequence[int
     n = len(answer)
     if n == 0 or reference.shape[0] < n or method.shape[0] < n:
         raise ValueError(f"need logits for all {n} answer tokens (got {reference.shape[0]} and {method.shape[0]})")
+    reference, method = reference[:n].cpu(), method[:n].cpu()  # from whatever device the model ran on
     target = torch.tensor(list(answer))
-    pred = method[:n].argmax(-1)
+    pred = method.argmax(-1)
     kls = [kl_divergence(reference[i], method[i]) for i in range(n)]
     return Fidelity(float(pred[0] == target[0]), float((pred == target).float().mean()), sum(kls) / n)
