@@ -77,19 +77,19 @@ def check_device(device: str | torch.device, precision: str = DEFAULT_PRECISION)
             f"device {device!r} is not a device torch knows ({e}); use cpu, cuda or cuda:N") from None
     if dev.type == "meta":
         raise UnsupportedDeviceError("device meta holds no data; use cpu or an accelerator such as cuda")
-    if dev.type != "cpu" and precision == "int8":
+    if dev.type == "cpu":
+        return dev
+    if precision == "int8":
         raise UnsupportedDeviceError(f"precision int8 runs on the CPU only (torch's x86 int8 kernels); "
                                      f"on {dev} use fp32 or bf16")
-    if dev.type != "cpu":
-        backend = getattr(torch, dev.type, None)
-        available = getattr(backend, "is_available", None)
-        if available is None or not available():
-            raise UnsupportedDeviceError(f"device {dev} is not available in this torch ({torch.__version__}) on this "
-                                         "machine; use cpu")
-        count = getattr(backend, "device_count", None)
-        if dev.index is not None and count is not None and dev.index >= count():
-            raise UnsupportedDeviceError(f"device {dev}: this machine has {count()} {dev.type} device(s), "
-                                         f"numbered from 0")
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise UnsupportedDeviceError(f"device {dev} is not available in this torch ({torch.__version__}) on this "
+                                     "machine; use cpu")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise UnsupportedDeviceError(f"device {dev}: this machine has {count()} {dev.type} device(s), numbered from 0")
     return dev
 
 
