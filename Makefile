@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install run test lint bench clean
+.PHONY: install services run test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,10 +16,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# redis-server and chromium, which the tests start: installed from Debian when root, else named
+services:
+	scripts/services.sh
+
 run: install
 	$(VENV)/bin/kvfuse demo
 
-test: install
+test: services install
 	$(VENV)/bin/ruff check kvfuse tests benchmarks
 	$(VENV)/bin/mypy kvfuse
 	$(VENV)/bin/pytest -q
