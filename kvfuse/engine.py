@@ -247,7 +247,7 @@ class Engine:
     def greedy_head(self) -> GreedyHead | None:
         """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
         if self._greedy_head is False:
-            fp32 = self.precision == "fp32"  # the screen's bound is for a float32 head
+            fp32 = self.precision in ("fp32", "bf16")  # the screen's bound is for a float32 head (int8's is not)
             cpu = self.model.device.type == "cpu"  # it pays for a CPU's memory bandwidth, not an accelerator's
             use = self.greedy_screen and fp32 and cpu
             self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None

@@ -1,5 +1,6 @@
-"""float32 linear layers with their weights prepacked for oneDNN, PyTorch's own CPU kernels
-(`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU backend runs for a frozen linear).
+"""Linear layers with their weights prepacked for oneDNN, PyTorch's own CPU kernels
+(`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU backend runs for a frozen linear), in
+float32 (precision fp32) or bfloat16 (precision bf16). Both take and return float32.
 
 A decoding step multiplies 2 to 8 rows by every weight. For such products the BLAS behind `F.linear`
 reads a weight at 6-9 GB/s on the 2-core machines here; the same weight reordered once into oneDNN's
@@ -8,8 +9,14 @@ docs/benchmarks.md). Each output row of a packed product depends only on its own
 rows and more (`decode.batch_limit` checks this on the model at hand), so batched decoding stays
 bitwise equal to a lone request.
 
-The packed weight replaces the plain one, which is then freed (a float32 model holds its weights
-once); `state_dict()` still names `weight` (and `bias`), unpacked on request. A stacked projection
+A bfloat16 layer rounds its input to bfloat16, multiplies with float32 accumulation (AMX on CPUs that
+have it: a prefill's products run about ten times faster than float32's), and widens the product back
+to float32 before its bias is added; everything around it (norms, the residual stream, attention,
+the KV) stays float32. Where oneDNN cannot run it (no oneDNN, or an accelerator), a bfloat16 layer
+holds its plain bfloat16 weight and runs `F.linear`.
+
+The packed weight replaces the plain one, which is then freed (a model holds its weights once);
+`state_dict()` still names `weight` (and `bias`), unpacked on request. A stacked projection
 (q, k and v) is packed as one part per `splits` entry, so that `linear_rows` can run the query rows
 or the key and value rows alone and give exactly the columns `forward` gives.
 """
@@ -17,6 +24,7 @@ or the key and value rows alone and give exactly the columns `forward` gives.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -30,19 +38,33 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear (float32) whose weight is held in oneDNN's layout, in parts of rows (`splits`)."""
+    """An nn.Linear (float32) whose weight is held in `dtype` (float32 or bfloat16), in oneDNN's layout
+    where it runs on the CPU, in parts of rows (`splits`)."""
 
-    def __init__(self, linear: nn.Linear, splits: tuple[int, ...] = ()) -> None:
+    def __init__(self, linear: nn.Linear, splits: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if linear.weight.dtype != torch.float32:
-            raise TypeError(f"a packed linear is float32, got {linear.weight.dtype}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+            raise TypeError(f"a packed linear is made from a float32 one, got {linear.weight.dtype}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"a packed linear holds float32 or bfloat16, not {dtype}")
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, dtype
+        self.onednn = available() and linear.weight.device.type == "cpu"
+        if not self.onednn and dtype == torch.float32:
+            raise ValueError("a float32 linear is packed only where oneDNN runs it (the plain layer is as good)")
         self.bounds = (0, *splits, self.out_features)  # the parts' first rows, and the end
         weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
-        self.parts = [torch.ops.mkldnn._reorder_linear_weight(weight[lo:hi].contiguous(), 2)
-                      for lo, hi in zip(self.bounds, self.bounds[1:], strict=False)]
-        self.biases = [None if bias is None else bias[lo:hi].clone()
-                       for lo, hi in zip(self.bounds, self.bounds[1:], strict=False)]
+        rows = list(zip(self.bounds, self.bounds[1:], strict=False))
+        self.parts = [self._pack(weight[lo:hi].to(dtype).contiguous()) for lo, hi in rows]
+        self.biases = [None if bias is None else bias[lo:hi].clone() for lo, hi in rows]
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 2) if self.onednn else w  # type: ignore[no-any-return]
+
+    def _product(self, x: torch.Tensor, part: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dtype == torch.float32:  # float32: the bias is added inside the kernel
+            return _product(x, part, bias)
+        out = (_product(x, part, None) if self.onednn else F.linear(x, part)).float()
+        return out if bias is None else out + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_rows(x, 0, self.out_features)
@@ -51,17 +73,18 @@ class PackedLinear(nn.Module):
         """Output features lo:hi of `forward` alone; lo and hi must be bounds of the parts."""
         if lo not in self.bounds or hi not in self.bounds or hi <= lo:
             raise ValueError(f"rows {lo}:{hi} are not whole parts of {self.bounds}")
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        flat = x.reshape(-1, x.shape[-1]).to(self.dtype).contiguous()
         a, b = self.bounds.index(lo), self.bounds.index(hi)
-        outs = [_product(flat, p, bias) for p, bias in zip(self.parts[a:b], self.biases[a:b], strict=True)]
+        outs = [self._product(flat, p, bias) for p, bias in zip(self.parts[a:b], self.biases[a:b], strict=True)]
         out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
         return out.reshape(*x.shape[:-1], hi - lo)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         """The state names the plain weight (and bias), as an nn.Linear's: unpacked on request."""
-        destination[prefix + "weight"] = torch.cat([p.to_dense() for p in self.parts])
+        destination[prefix + "weight"] = torch.cat([p.to_dense() if self.onednn else p for p in self.parts])
         if self.biases[0] is not None:
             destination[prefix + "bias"] = torch.cat([b for b in self.biases if b is not None])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.bounds}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, parts={self.bounds}, "
+                f"dtype={self.dtype}")

@@ -2,9 +2,13 @@
 
 - `fp32`: float32 throughout; the oracle the others are measured against. Its layer weights are
   prepacked for oneDNN (`packed.py`), which reads them about twice as fast in a decoding step.
-- `bf16`: weights and activations in bfloat16, for CPUs with AMX (on an AVX2-only CPU its matmuls are
-  several times slower than fp32's). Norms and softmax compute in float32 inside their kernels and
-  round back; the residual stream is bfloat16 (fidelity against fp32: docs/benchmarks.md).
+- `bf16`: every layer's linear weights in bfloat16, prepacked for oneDNN (`packed.py`), for CPUs with
+  AMX, where a prefill's products run about ten times faster than float32's (on a CPU without bfloat16
+  hardware they are several times slower). A product takes its input rounded to bfloat16 and returns
+  float32; norms, softmax, attention, the residual stream, the KV, the embedding table and the LM head
+  stay float32, which is what keeps answers close to fp32's (an all-bfloat16 model, with a bfloat16
+  residual stream and bfloat16 logits that tie at the top, agreed with fp32's first token on 0.90 of
+  MuSiQue cases; docs/benchmarks.md). Greedy steps screen the float32 head in int8 like fp32's.
 - `int8`: weight-only int8 with a per-output-row scale for every linear layer and the LM head
   (`quant.py`); activations, norms and the residual stream stay float32 (bfloat16 element-wise ops
   are slower than float32's on a CPU without AVX-512 BF16, and they cost fidelity); a tied table's
@@ -30,7 +34,7 @@ if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads
 
 PRECISIONS = ("fp32", "bf16", "int8")
 DEFAULT_PRECISION = "fp32"
-LOAD_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32"}  # int8 rounds from the float weights
+LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32"}  # bf16 and int8 round from the float weights
 
 
 def check(precision: str) -> str:
@@ -44,8 +48,8 @@ def check(precision: str) -> str:
 
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
-# activations were bfloat16 before "int8-f32")
-TAGS = {"fp32": "", "bf16": "-bf16", "int8": "-int8-f32"}
+# activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32")
+TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -85,12 +89,12 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     """Convert one part of a float model (`parts`) to the precision, in place.
 
     - fp32: the part in float32; a layer's linears prepacked (`_pack`).
+    - bf16: as fp32, with a layer's linears prepacked in bfloat16.
     - int8: its linears (an untied head too) in int8 rows; what is left (norms, an untied table,
       biases) in float32. A tied table is not converted here: `by_rows` sends it to `convert_rows`.
-    - bf16: the part in bfloat16 (every tensor a converted copy).
-    fp32 and int8 copy the float tensors they keep from the checkpoint (norms, biases): as views of
-    the checkpoint file's pages they would keep every page of the file read so far resident. fp32's
-    embedding table and untied head stay views (they are read whole, and shared with other processes
+    Every precision copies the float tensors it keeps from the checkpoint (norms, biases): as views of
+    the checkpoint file's pages they would keep every page of the file read so far resident. fp32's and
+    bf16's embedding table and untied head stay views (they are read whole, and shared with other processes
     that map the same file)."""
     import torch
     from torch import nn
@@ -100,16 +104,14 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     parent_name, _, attr = part.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     module = getattr(parent, attr)
-    if precision == "bf16":
-        module.to(torch.bfloat16)
-        return
     if precision == "int8":
         if isinstance(module, nn.Linear):  # an untied head
             setattr(parent, attr, Int8Linear(module))
         else:  # a layer's linears (a table has none: a tied one comes from `convert_rows`, an untied one stays)
             _replace_linears(module, lambda name, lin: Int8Linear(lin))
     elif part.startswith("layers."):
-        _pack(module.float(), model.block(0).self_attn.q_size)  # packed as float32
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        _pack(module.float(), model.block(0).self_attn.q_size, dtype)
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
     if part not in ("embed_tokens", "lm_head") or precision == "int8":
         for m in module.modules():
@@ -121,11 +123,13 @@ def of(model: Decoder) -> str:
     """The precision a model was converted to."""
     import torch
 
+    from kvfuse.packed import PackedLinear
     from kvfuse.quant import Int8Embedding, Int8Linear
 
     if any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules()):
         return "int8"
-    return "fp32" if model.compute_dtype == torch.float32 else "bf16"
+    bf16 = any(isinstance(m, PackedLinear) and m.dtype == torch.bfloat16 for m in model.modules())
+    return "bf16" if bf16 else "fp32"
 
 
 def rounding(model: Decoder) -> torch.dtype:
@@ -136,16 +140,19 @@ def rounding(model: Decoder) -> torch.dtype:
     return torch.float32 if of(model) == "fp32" else torch.bfloat16
 
 
-def _pack(layer: nn.Module, q_size: int) -> None:
-    """Prepack a float32 layer's linear weights for oneDNN (`packed.py`): decoding steps read them about
-    twice as fast. Where this PyTorch has no oneDNN, or the layer is not on the CPU, the plain layers
-    stay. A stacked q/k/v weight is packed in two parts (q; k and v), which `Decoder.query` and
+def _pack(layer: nn.Module, q_size: int, dtype: torch.dtype) -> None:
+    """Prepack a float32 layer's linear weights for oneDNN (`packed.py`) in dtype: decoding steps read
+    float32 ones about twice as fast, and bfloat16 ones run on AMX. Where this PyTorch has no oneDNN, or
+    the layer is not on the CPU, float32 layers stay plain and bfloat16 ones hold plain bfloat16
+    weights. A stacked q/k/v weight is packed in two parts (q; k and v), which `Decoder.query` and
     `key_value` run alone."""
+    import torch
+
     from kvfuse.packed import PackedLinear, available
 
-    if available() and next(layer.parameters()).device.type == "cpu":
+    if dtype == torch.bfloat16 or (available() and next(layer.parameters()).device.type == "cpu"):
         q_rows = (q_size,)
-        _replace_linears(layer, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else ()))
+        _replace_linears(layer, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else (), dtype))
 
 
 def _replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:

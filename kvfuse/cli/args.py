@@ -37,7 +37,7 @@ def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
                                                  "HF checkpoint dir (default: Gemma 3 270M, converted once)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
-                   help="weights and activations: fp32, bf16, or int8 weights with float32 activations "
+                   help="weights: fp32, bf16 (for CPUs with AMX) or int8; activations stay float32 "
                         f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
     p.add_argument("--device", default="cpu",
                    help="where the model computes: cpu (the default), or an accelerator torch has here, such as "
@@ -77,7 +77,7 @@ def store_flags(p: argparse.ArgumentParser) -> None:
     redis_flags(p)
     p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
     p.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
-                   help="dtype of stored KV caches (default auto: the precision's, fp32 or bf16)")
+                   help="dtype of stored KV caches (default auto: as computed, float32)")
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
