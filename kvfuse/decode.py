@@ -17,12 +17,13 @@ how many rows every row's result is bitwise the same as in a MIN_ROWS step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvfuse.control.policy import Decision
+from kvfuse.drafts import Context, DraftLength, DraftStats
 from kvfuse.fuse import Fused
 from kvfuse.kv import KVCache
 from kvfuse.lmhead import GreedyHead
@@ -58,34 +59,61 @@ class Slot:
     def room(self) -> int:
         return int(self.k.shape[2]) - self.n
 
+    def rewind(self, n: int) -> None:
+        """Forget the last n positions (a draft's rejected rows); later steps overwrite their K/V."""
+        if not 0 <= n <= self.n:
+            raise ValueError(f"cannot rewind {n} of {self.n} positions")
+        self.n -= n
+
 
 def step_hidden(model: Decoder, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
     """Feed tokens[j] to slots[j] at its next position; returns the last hidden states (len(slots), hidden),
     before the final norm. Every slot needs room for one more token."""
-    if len(slots) != len(tokens) or not slots:
+    if len(slots) != len(tokens):
         raise ValueError(f"one token per slot: {len(tokens)} tokens for {len(slots)} slots")
-    if any(s.room < 1 for s in slots):
-        raise ValueError("a slot has no room left for another token")
-    cfg, b = model.cfg, len(slots)
+    return step_rows(model, slots, [[t] for t in tokens])
+
+
+def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Feed tokens[j] (one or more) to slots[j] at its next positions; returns the hidden states before the
+    final norm, (total tokens, hidden), slot by slot in order. Slot j needs room for len(tokens[j]).
+
+    All rows share the step's matrix products; each row attends in a call of its own over its slot's
+    cache up to and including its own position, the call a step of that token alone makes. So within
+    `batch_limit` rows, every row is bitwise what stepping its tokens one at a time gives: a draft is
+    verified in one step (`drafts.py`), and `Slot.rewind` drops the rows it rejects."""
+    if len(slots) != len(tokens) or not slots:
+        raise ValueError(f"one token list per slot: {len(tokens)} lists for {len(slots)} slots")
+    if any(not t for t in tokens):
+        raise ValueError("every slot needs at least one token")
+    if any(s.room < len(t) for s, t in zip(slots, tokens, strict=True)):
+        raise ValueError("a slot has no room left for its tokens")
+    cfg = model.cfg
+    flat = [t for ts in tokens for t in ts]
+    b = len(flat)
     rows = max(b, MIN_ROWS)
-    h = model.embed(torch.tensor(tokens))
+    h = model.embed(torch.tensor(flat))
     if rows > b:  # padding: zero rows stay finite through every layer and are dropped at the end
         h = torch.cat((h, h.new_zeros(rows - b, h.shape[1])))
-    ns = [s.n for s in slots]
-    pos = torch.tensor(ns + [0] * (rows - b))
+    spans = [(s, s.n, len(ts)) for s, ts in zip(slots, tokens, strict=True)]  # (slot, first position, rows)
+    pos = torch.tensor([n + r for _, n, m in spans for r in range(m)] + [0] * (rows - b))
     pad = h.new_zeros(rows - b, cfg.num_heads * cfg.head_dim)
     plan = RowPlan(cfg, pos)  # RoPE's cos and sin once per step, not once per layer
     for i in range(cfg.num_layers):
         q, k, v = model.project(i, h, pos, plan)
         w = cfg.window(i)
         outs = []
-        for j, (s, n) in enumerate(zip(slots, ns, strict=True)):
-            s.k[i, :, n : n + 1], s.v[i, :, n : n + 1] = k[:, j : j + 1], v[:, j : j + 1]
-            lo = max(0, n + 1 - w) if w is not None else 0
-            outs.append(model.attend_all(i, q[:, j : j + 1], s.k[i, :, lo : n + 1], s.v[i, :, lo : n + 1]))
+        at = 0
+        for s, n, m in spans:
+            s.k[i, :, n : n + m], s.v[i, :, n : n + m] = k[:, at : at + m], v[:, at : at + m]
+            for r in range(m):  # row r sits at position n + r
+                lo = max(0, n + r + 1 - w) if w is not None else 0
+                outs.append(model.attend_all(i, q[:, at + r : at + r + 1], s.k[i, :, lo : n + r + 1],
+                                             s.v[i, :, lo : n + r + 1]))
+            at += m
         h = model.finish(i, h, torch.cat(outs + [pad]))
-    for s in slots:
-        s.n += 1
+    for s, _, m in spans:
+        s.n += m
     return h[:b]
 
 
@@ -184,13 +212,37 @@ class Decoding:
         self.scored: torch.Tensor | None = None
         self.result: Generation | None = None
         self.error: Exception | None = None
+        self.context: Context | None = None  # the prompt and tokens so far, where drafts are proposed
+        self.draft_len = DraftLength()
+        self.drafts = DraftStats()
 
     def take(self, tok: int) -> None:
         if tok in self.stop:
             self.done, self.finish_reason = True, "stop"
             return
         self.tokens.append(tok)
+        if self.context is not None:
+            self.context.extend((tok,))
         self.done = len(self.tokens) >= self.params.max_tokens
+
+    def take_verified(self, chosen: Sequence[int], draft: Sequence[int]) -> int:
+        """Take the tokens a draft's step chose (`chosen[r]` follows row r: the last token, then the draft)
+        while they confirm the draft: the first, then one more for each draft token that equals the token
+        chosen before it. Returns how many draft tokens were accepted; the slot's rows past them are
+        rewound."""
+        accepted = 0
+        self.take(chosen[0])
+        while accepted < len(draft) and not self.done and draft[accepted] == chosen[accepted]:
+            accepted += 1
+            self.take(chosen[accepted])
+        if draft:
+            self.drafts.steps += 1
+            self.drafts.drafted += len(draft)
+            self.drafts.accepted += accepted
+            self.draft_len.update(len(draft), accepted)
+            if self.slot is not None:
+                self.slot.rewind(len(draft) - accepted)
+        return accepted
 
     def fail(self, error: Exception) -> None:
         self.done, self.error = True, error
@@ -203,6 +255,6 @@ class Decoding:
             self.result = Generation(
                 self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.lazy_logits(),
                 self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
-                torch.stack(self.steps).float() if self.steps else None, self.scored, pre.fuser,
+                torch.stack(self.steps).float() if self.steps else None, self.scored, pre.fuser, self.drafts,
             )
         return self.result

@@ -23,7 +23,8 @@ import torch
 from kvfuse import fuse
 from kvfuse.cache import CacheManager
 from kvfuse.control.policy import Controller, Decision
-from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, batch_limit, step_hidden
+from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, batch_limit, step_hidden, step_rows
+from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.fuse import FuseContext, FuseLayout, Fuser
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerSource
@@ -71,6 +72,7 @@ class Engine:
         self_check: bool = True,
         rotate: fuse.Rerotate = rerotate_into,
         greedy_screen: bool = True,
+        draft_tokens: int = DRAFT_TOKENS,
     ) -> None:
         self.model, self.cfg, self.fingerprint = model, model.cfg, fingerprint
         bos = self.cfg.bos_token_id
@@ -85,6 +87,7 @@ class Engine:
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # decode_batch_limit's checked answer
+        self.draft_tokens = draft_tokens  # the longest draft from the context a greedy step verifies (0: none)
         self.blend_error: str | None = self._self_check() if self_check else None
         if self.blend_error:
             log.warning("%s", self.blend_error)
@@ -302,6 +305,9 @@ class Engine:
         else:
             first = sample(pre.fused.logits, params, gen)
         d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
+        if self.draft_tokens > 0 and _greedy(params) and not record_logits:
+            d.context = Context(req.ids, params.max_tokens)
+            d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
         for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
             write()  # whether this one is still decoding or not
         d.scored = self._score(pre.fused, score) if score else None
@@ -311,36 +317,61 @@ class Engine:
     @on_model_device
     @torch.inference_mode()
     def advance(self, batch: Sequence[Decoding]) -> None:
-        """Move every unfinished request in the batch on by one token, stepping them together in groups
-        of at most `decode_batch_limit()`: each gets exactly the token it would get stepped alone.
+        """Move every unfinished request in the batch on by at least one token, stepping them together in
+        groups of at most `decode_batch_limit()` rows: each gets exactly the tokens it would get stepped
+        alone. A greedy request may verify a draft from its context in the same step (`drafts.py`) with
+        the rows its group leaves free, and then take several tokens.
 
         A failure of one request's own (its sampling) ends it with `error` set; a failure of the step
         itself raises."""
         live = [d for d in batch if not d.done]
-        size = self.decode_batch_limit() if len(live) > 1 else 1
+        drafting = any(d.context is not None for d in live)
+        size = self.decode_batch_limit() if len(live) > 1 or drafting else 1
         for at in range(0, len(live), size):
-            self._step(live[at : at + size])
+            self._step(live[at : at + size], size)
 
-    def _step(self, live: list[Decoding]) -> None:
+    def _step(self, live: list[Decoding], rows: int) -> None:
         for d in live:
             if d.slot is None:
                 d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
-        h = step_hidden(self.model, [d.slot for d in live], [d.tokens[-1] for d in live])  # type: ignore[misc]
+        drafts = self._drafts(live, rows - len(live))
+        h = step_rows(self.model, [d.slot for d in live],  # type: ignore[misc]
+                      [[d.tokens[-1], *draft] for d, draft in zip(live, drafts, strict=True)])
+        spans, at = [], 0  # each request's rows in h
+        for draft in drafts:
+            spans.append(range(at, at + 1 + len(draft)))
+            at += 1 + len(draft)
         greedy = [j for j, d in enumerate(live) if _greedy(d.params) and d.steps is None]
         head = self.greedy_head() if greedy else None
-        chosen: dict[int, int] = {}
+        screened: dict[int, int] = {}  # row -> its argmax
         if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
-            chosen = dict(zip(greedy, head.argmax_rows(self.model.norm(h[greedy])), strict=True))
+            picked = [r for j in greedy for r in spans[j]]
+            screened = dict(zip(picked, head.argmax_rows(self.model.norm(h[picked])), strict=True))
         for j, d in enumerate(live):
             try:
-                if j not in chosen:
-                    logits = self.model.logits(h[j : j + 1])[0]
-                    if d.steps is not None:
-                        d.steps.append(logits)
-                    chosen[j] = sample(logits, d.params, d.gen, d.tokens)
-                d.take(chosen[j])
+                chosen = []
+                for r in spans[j]:
+                    if r not in screened:
+                        logits = self.model.logits(h[r : r + 1])[0]
+                        if d.steps is not None:
+                            d.steps.append(logits)
+                        screened[r] = sample(logits, d.params, d.gen, d.tokens)
+                    chosen.append(screened[r])
+                d.take_verified(chosen, drafts[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
+
+    @staticmethod
+    def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
+        """A draft from its context for each greedy request that has one, within `spare` rows in all."""
+        out: list[list[int]] = []
+        for d in live:
+            k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1)
+            draft = d.context.propose(k) if d.context is not None and d.slot is not None and k > 0 else []
+            draft = draft[: max(0, d.slot.room - 1)] if d.slot is not None else []
+            spare -= len(draft)
+            out.append(draft)
+        return out
 
     @on_model_device
     def decode_batch_limit(self) -> int:

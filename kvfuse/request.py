@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfuse.drafts import DraftStats
 from kvfuse.store.keys import SaltRange
 from kvfuse.store.tiered import StoreStats
 
@@ -135,6 +136,7 @@ class Generation:
     step_logits: torch.Tensor | None = None  # (steps, vocab) logits that chose each token, if recorded
     scored_logits: torch.Tensor | None = None  # (len(score), vocab) teacher-forced logits, if asked
     fuser: str = ""  # the fuser with its options (`fuse.spec_of`: queryaware:behind=self); mode is its name
+    drafts: DraftStats = field(default_factory=DraftStats)  # drafts from the context (`drafts.py`)
 
     @property
     def first_logits(self) -> torch.Tensor:

@@ -142,6 +142,22 @@ def test_documents_are_cached_on_first_sight(srv) -> None:
     assert exact["choices"][0]["text"] == full["choices"][0]["text"]
 
 
+def test_greedy_answers_are_the_same_with_and_without_drafts(srv) -> None:
+    engine = srv[1].engine
+    body = {"prompt": "one two three four five. one two three four five. one two three", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    with client(srv) as h:
+        drafted = h.post("/v1/completions", json=body).json()
+        engine.draft_tokens, was = 0, engine.draft_tokens
+        try:
+            plain = h.post("/v1/completions", json=body).json()
+        finally:
+            engine.draft_tokens = was
+    d = drafted["kvfuse"]["drafts"]
+    assert d["drafted"] > 0 and 0 <= d["accepted"] <= d["drafted"] and plain["kvfuse"]["drafts"]["drafted"] == 0
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
 def test_knowledge_base_extension_and_groups(srv) -> None:
     url, state = srv
     kb = state.kbs["demo"]

@@ -56,7 +56,8 @@ class Outcome:
                 "conflicts": [x.as_dict() for x in self.answer.conflicts] if self.answer else [],
                 "cost_units": self.answer.cost_units if self.answer else None,
                 "kb": p.kb.name if p.kb else None,
-                "group": p.prep.plan.group if p.prep else None}
+                "group": p.prep.plan.group if p.prep else None,
+                "drafts": {"steps": r.drafts.steps, "drafted": r.drafts.drafted, "accepted": r.drafts.accepted}}
 
 
 class Generating:

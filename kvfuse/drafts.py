@@ -1,0 +1,87 @@
+"""Drafts from the context (prompt-lookup speculative decoding): the next tokens proposed from n-grams
+of the request's own prompt and of what it has generated so far. Token ids only.
+
+An answer over a knowledge base or retrieved passages copies spans of them (names, amounts, whole
+quotes). When the last n tokens generated (n = 3, then 2, then 1) occurred before, the tokens that
+followed their latest earlier occurrence are proposed as a draft; the engine verifies a draft in one
+multi-row step (`decode.step_rows`) and keeps the longest prefix that greedy decoding would have
+chosen anyway, plus the token that step chose after it. A draft costs rows in that step, never a
+different answer.
+
+`DraftLength` sizes the next draft from how the last one did (after HF's prompt-lookup heuristic: two
+more after a draft taken whole, one fewer after a rejected one), so a request whose answer copies
+nothing soon drafts little.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried after it
+DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 rows: within a step's 8)
+
+
+def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of context's last n tokens (the longest
+    n <= max_ngram that occurred before); [] when none did. context: (L,) int64 token ids."""
+    n_ctx = len(context)
+    if k <= 0 or n_ctx < 2:
+        return []
+    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
+        key = context[n_ctx - n :]
+        # starts i < n_ctx - n of windows equal to the key (the key itself, at n_ctx - n, is excluded)
+        hit = context[: n_ctx - n] == key[0]
+        for j in range(1, n):
+            hit &= context[j : n_ctx - n + j] == key[j]
+        starts = np.flatnonzero(hit)
+        if len(starts):
+            at = int(starts[-1]) + n  # the latest occurrence; the draft is what followed it
+            return [int(t) for t in context[at : at + k]]
+    return []
+
+
+class Context:
+    """A request's prompt and generated tokens as one growing array, for `propose`."""
+
+    def __init__(self, prompt: Sequence[int], room: int) -> None:
+        self.ids = np.empty(len(prompt) + room, dtype=np.int64)
+        self.ids[: len(prompt)] = prompt
+        self.n = len(prompt)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if self.n + len(tokens) > len(self.ids):  # more than the room reserved: grow
+            self.ids = np.concatenate((self.ids, np.empty(len(self.ids), dtype=np.int64)))
+        self.ids[self.n : self.n + len(tokens)] = tokens
+        self.n += len(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        return propose(self.ids[: self.n], k)
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """The next draft's length, from 1 to `most`, adapted to how the drafts of this request fare."""
+
+    most: int = DRAFT_TOKENS
+    now: int = DRAFT_TOKENS
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.now = min(self.most, self.now + 2) if accepted == drafted else max(1, self.now - 1)
+
+
+@dataclass(slots=True)
+class DraftStats:
+    """What a request's drafts did: steps that verified one, tokens proposed, and tokens accepted."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None

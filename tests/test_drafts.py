@@ -1,0 +1,104 @@
+"""Drafts from the context: the proposer against a naive search, and greedy decoding with drafts
+against plain greedy decoding (token for token) and against stepping one token at a time (bitwise)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import rand_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfuse.decode import Slot, step_hidden, step_rows
+from kvfuse.drafts import Context, DraftLength, propose
+from kvfuse.engine import Engine, Request
+from kvfuse.sampling import SamplingParams
+
+
+def naive_propose(ctx: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    for n in range(min(max_ngram, len(ctx) - 1), 0, -1):
+        key = ctx[len(ctx) - n :]
+        for i in range(len(ctx) - n - 1, -1, -1):  # the latest earlier start first
+            if ctx[i : i + n] == key:
+                return ctx[i + n : i + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(0, 8))
+def test_propose_equals_a_naive_search(ctx: list[int], k: int) -> None:
+    want = naive_propose(ctx, k) if k > 0 else []
+    assert propose(np.array(ctx, dtype=np.int64), k) == want
+
+
+def test_propose_prefers_the_longest_suffix_and_the_latest_occurrence() -> None:
+    ctx = [5, 1, 2, 9, 9, 7, 2, 8, 8, 1, 2]
+    assert propose(np.array(ctx), 2) == [9, 9]  # (1, 2) occurred at 1: what followed it
+    assert propose(np.array([3, 2, 7, 2, 6, 6, 2]), 3) == [6, 6, 2]  # (6, 2) at 5? no: (2,) latest at 3
+    assert propose(np.array([1, 2, 3]), 4) == []
+
+
+def test_context_grows_past_its_room() -> None:
+    c = Context([1, 2, 3], room=1)
+    for t in (1, 2, 3, 1):
+        c.extend([t])
+    assert c.ids[: c.n].tolist() == [1, 2, 3, 1, 2, 3, 1]
+    assert c.propose(3) == [2, 3, 1]
+
+
+def test_draft_length_grows_on_success_and_shrinks_on_rejection() -> None:
+    d = DraftLength(most=6, now=3)
+    d.update(3, 3)
+    assert d.now == 5
+    d.update(5, 5)
+    assert d.now == 6
+    d.update(6, 2)
+    d.update(5, 0)
+    assert d.now == 4
+    d.update(0, 0)  # no draft: unchanged
+    assert d.now == 4
+    for _ in range(9):
+        d.update(1, 0)
+    assert d.now == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_rows_of_one_slot_equal_stepping_one_token_at_a_time(tiny_engines, family: str) -> None:
+    e: Engine = tiny_engines[family]
+    if e.decode_batch_limit() < 2:
+        pytest.skip("this machine keeps no two rows bitwise equal")
+    with torch.inference_mode():
+        fused = e.prefill(Request(prefix=(1,) + rand_ids(9, 3), chunks=(), suffix=rand_ids(4, 4)), room=8).fused
+        toks = list(rand_ids(3, 7))
+        one = Slot(e.model, fused.cache, 8)
+        seq = torch.cat([step_hidden(e.model, [one], [t]) for t in toks])
+        two = Slot(e.model, fused.cache, 8)
+        # two rows a step (the tiny widths keep two bitwise), a rejected row rewound and fed again
+        rows = torch.cat([step_rows(e.model, [two], [toks[:2]])])
+        two.rewind(1)
+        again = step_rows(e.model, [two], [toks[1:]])
+    assert torch.equal(rows, seq[:2]) and torch.equal(again, seq[1:]), (rows - seq[:2]).abs().max()
+    assert two.n == one.n and torch.equal(two.k[:, :, : two.n], one.k[:, :, : one.n])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precision: str, monkeypatch) -> None:
+    e: Engine = engine_at(family, precision)
+    reqs = [Request(prefix=(1,) + rand_ids(5, s) * 3, chunks=(rand_ids(7, s + 1),), suffix=rand_ids(4, s))
+            for s in range(4)]
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    for r in reqs:
+        e.precompute(r, "blend")
+    monkeypatch.setattr(e, "draft_tokens", 0)
+    plain = [e.generate(r, "blend", 0.5, greedy) for r in reqs]
+    assert all(g.drafts.drafted == 0 for g in plain)
+    monkeypatch.setattr(e, "draft_tokens", 6)
+    drafted = [e.generate(r, "blend", 0.5, greedy) for r in reqs]
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    if e.decode_batch_limit() >= 2:
+        assert sum(g.drafts.accepted for g in drafted) > 0  # drafts were taken, not only proposed
+    # recorded logits and sampling never draft
+    rec = e.generate(reqs[0], "blend", 0.5, greedy, record_logits=True)
+    assert rec.tokens == plain[0].tokens and rec.drafts.drafted == 0
