@@ -24,6 +24,7 @@ from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.packed import PackedLinear
 from kvfuse.quant import Int8Embedding, Int8Linear
 from kvfuse.rope import apply_rope, rope_cos_sin
+from kvfuse.w8a8 import W8A8Linear
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
 AttnBlock = tuple[int, int, int, int, torch.Tensor]  # (query start, end, first key, key end, mask (e-s, hi-lo))
@@ -85,7 +86,7 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
 
 def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of a linear layer's output alone (the q, or the k and v, of a stacked projection)."""
-    if isinstance(layer, Int8Linear | PackedLinear):
+    if isinstance(layer, Int8Linear | PackedLinear | W8A8Linear):  # converted layers, packed in parts
         return layer.linear_rows(x, lo, hi)
     assert isinstance(layer, nn.Linear)
     return F.linear(x, layer.weight[lo:hi], None if layer.bias is None else layer.bias[lo:hi])
@@ -371,7 +372,7 @@ class Decoder(nn.Module):
         """The LM head alone on normed hidden states: (T, hidden) -> (T, vocab) in the compute dtype."""
         if not self.cfg.tie_embeddings:
             return cast(torch.Tensor, self.lm_head(x))
-        if isinstance(self.embed_tokens, Int8Embedding):  # an int8 table is its own head
+        if isinstance(self.embed_tokens, Int8Embedding):  # an int8 table is its own head (w8a8's too)
             return self.embed_tokens.linear(x)
         return F.linear(x, self.embed_tokens.weight)
 

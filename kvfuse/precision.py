@@ -13,6 +13,10 @@
   (`quant.py`); activations, norms and the residual stream stay float32 (bfloat16 element-wise ops
   are slower than float32's on a CPU without AVX-512 BF16, and they cost fidelity); a tied table's
   embedding lookups are dequantised from the same int8 matrix as the head.
+- `w8a8`: int8's weights, and every linear's and the head's input rows rounded to 8-bit integers on
+  their own scale (7-bit without VNNI), multiplied in FBGEMM's int8 kernel (`w8a8.py`): faster than
+  int8 at every row count, prefill included. Norms, attention, the residual stream and the KV stay
+  float32.
 
 A precision is part of the model fingerprint (`fingerprint`), so caches, profiles and calibrations of
 different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
@@ -32,9 +36,9 @@ if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads
     from kvfuse.model import Decoder
     from kvfuse.quant import Rows
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "w8a8")
 DEFAULT_PRECISION = "fp32"
-LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32"}  # bf16 and int8 round from the float weights
+LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32"}  # all round from float
 
 
 def check(precision: str) -> str:
@@ -44,12 +48,17 @@ def check(precision: str) -> str:
 
     if precision == "int8" and not available():
         raise ValueError("precision int8 needs torch._weight_int8pack_mm, which this PyTorch lacks")
+    if precision == "w8a8":
+        from kvfuse import w8a8
+
+        if not w8a8.available():
+            raise ValueError("precision w8a8 needs PyTorch's FBGEMM int8 engine (x86 builds), which this one lacks")
     return precision
 
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
 # activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32")
-TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32"}
+TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32", "w8a8": "-w8a8"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -75,14 +84,15 @@ def by_rows(cfg: ModelConfig, part: str, precision: str) -> bool:
     """Whether this part is converted from its weight's rows, read a block at a time (`convert_rows`),
     rather than loaded whole: int8's tied table. Gemma 3's is 671 MB in float32 against 168 MB in int8,
     and reading it whole would add the float table to an int8 load's peak memory."""
-    return precision == "int8" and part == "embed_tokens" and cfg.tie_embeddings
+    return precision in ("int8", "w8a8") and part == "embed_tokens" and cfg.tie_embeddings
 
 
-def convert_rows(model: Decoder, part: str, rows: Rows) -> None:
+def convert_rows(model: Decoder, part: str, rows: Rows, precision: str = "int8") -> None:
     """Put the converted part of `by_rows` in the model, from its weight's rows."""
     from kvfuse.quant import Int8Embedding
+    from kvfuse.w8a8 import W8A8Embedding
 
-    setattr(model, part, Int8Embedding(rows))
+    setattr(model, part, W8A8Embedding(rows) if precision == "w8a8" else Int8Embedding(rows))
 
 
 def convert(model: Decoder, part: str, precision: str) -> None:
@@ -92,6 +102,7 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     - bf16: as fp32, with a layer's linears prepacked in bfloat16.
     - int8: its linears (an untied head too) in int8 rows; what is left (norms, an untied table,
       biases) in float32. A tied table is not converted here: `by_rows` sends it to `convert_rows`.
+    - w8a8: as int8, with linears that quantise their input rows too (`w8a8.W8A8Linear`).
     Every precision copies the float tensors it keeps from the checkpoint (norms, biases): as views of
     the checkpoint file's pages they would keep every page of the file read so far resident. fp32's and
     bf16's embedding table and untied head stay views (they are read whole, and shared with other processes
@@ -100,20 +111,27 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     from torch import nn
 
     from kvfuse.quant import Int8Linear
+    from kvfuse.w8a8 import W8A8Linear
 
     parent_name, _, attr = part.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     module = getattr(parent, attr)
+    q_rows = (model.block(0).self_attn.q_size,)
     if precision == "int8":
         if isinstance(module, nn.Linear):  # an untied head
             setattr(parent, attr, Int8Linear(module))
         else:  # a layer's linears (a table has none: a tied one comes from `convert_rows`, an untied one stays)
             _replace_linears(module, lambda name, lin: Int8Linear(lin))
+    elif precision == "w8a8":
+        if isinstance(module, nn.Linear):
+            setattr(parent, attr, W8A8Linear(module))
+        else:
+            _replace_linears(module, lambda name, lin: W8A8Linear(lin, q_rows if name == "qkv_proj" else ()))
     elif part.startswith("layers."):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         _pack(module.float(), model.block(0).self_attn.q_size, dtype)
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
-    if part not in ("embed_tokens", "lm_head") or precision == "int8":
+    if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8"):
         for m in module.modules():
             for p in m.parameters(recurse=False):
                 p.data = p.data.clone()
@@ -125,7 +143,10 @@ def of(model: Decoder) -> str:
 
     from kvfuse.packed import PackedLinear
     from kvfuse.quant import Int8Embedding, Int8Linear
+    from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 
+    if any(isinstance(m, W8A8Linear | W8A8Embedding) for m in model.modules()):
+        return "w8a8"
     if any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules()):
         return "int8"
     bf16 = any(isinstance(m, PackedLinear) and m.dtype == torch.bfloat16 for m in model.modules())
@@ -134,7 +155,8 @@ def of(model: Decoder) -> str:
 
 def rounding(model: Decoder) -> torch.dtype:
     """The coarsest dtype the model's computation rounds to: bfloat16 for bf16, and for int8 (its
-    kernel reads its input in bfloat16); float32 for fp32."""
+    kernel reads its input in bfloat16) and w8a8 (8-bit activation rows, about bfloat16's step); float32
+    for fp32."""
     import torch
 
     return torch.float32 if of(model) == "fp32" else torch.bfloat16

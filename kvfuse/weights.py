@@ -79,8 +79,8 @@ def check_device(device: str | torch.device, precision: str = DEFAULT_PRECISION)
         raise UnsupportedDeviceError("device meta holds no data; use cpu or an accelerator such as cuda")
     if dev.type == "cpu":
         return dev
-    if precision == "int8":
-        raise UnsupportedDeviceError(f"precision int8 runs on the CPU only (torch's x86 int8 kernels); "
+    if precision in ("int8", "w8a8"):
+        raise UnsupportedDeviceError(f"precision {precision} runs on the CPU only (torch's x86 int8 kernels); "
                                      f"on {dev} use fp32 or bf16")
     backend = getattr(torch, dev.type, None)
     available = getattr(backend, "is_available", None)
@@ -122,7 +122,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
         if by_rows(cfg, part, precision):
-            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype))
+            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision)
             continue
         state = _read_part(index, part, dtype)
         stack_checkpoint(state)

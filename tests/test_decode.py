@@ -31,7 +31,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "w8a8"])
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_stepping_together_equals_stepping_alone(engine_at, family: str, precision: str) -> None:
     e = engine_at(family, precision)

@@ -82,7 +82,7 @@ def test_rows_of_one_slot_equal_stepping_one_token_at_a_time(tiny_engines, famil
     assert two.n == one.n and torch.equal(two.k[:, :, : two.n], one.k[:, :, : one.n])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "w8a8"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precision: str, monkeypatch) -> None:
     e: Engine = engine_at(family, precision)

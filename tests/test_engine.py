@@ -41,10 +41,10 @@ def test_full_decoding_matches_naive_generate(tiny_engines, family: str) -> None
 
 # first-token logits, relative to their largest: bfloat16 kernels round differently by shape (the suffix
 # runs through the causal kernel in full, the masked one after a cache), a few of its 8-bit roundings
-TOLERANCE = {"fp32": 1e-4, "bf16": 4 * 2**-8, "int8": 4 * 2**-8}
+TOLERANCE = {"fp32": 1e-4, "bf16": 4 * 2**-8, "int8": 4 * 2**-8, "w8a8": 4 * 2**-8}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "w8a8"])
 @pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
 def test_prefix_and_blend_at_one_generate_like_full(engine_at, family: str, precision: str) -> None:
     e = engine_at(family, precision)

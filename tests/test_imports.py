@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
     ("kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling", "kvfuse.metrics",
-     "kvfuse.quant", "kvfuse.packed", "kvfuse.model", "kvfuse.precision", "kvfuse.lmhead", "kvfuse.weights",
+     "kvfuse.quant", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts", "kvfuse.precision",
+     "kvfuse.lmhead", "kvfuse.weights",
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.control.policy"),
     ("kvfuse.fuse",),

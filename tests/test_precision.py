@@ -1,13 +1,14 @@
-"""Precisions (fp32, bf16, int8): what each computes, against the float32 oracle, and that they never mix."""
+"""Precisions (fp32, bf16, int8, w8a8): what each computes, against the float32 oracle, and that they never mix."""
 
 import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse import packed, precision, quant, weights
+from kvfuse import packed, precision, quant, w8a8, weights
 from kvfuse.engine import Request
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
+from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 from kvfuse.weights import load_model
 
 
@@ -64,9 +65,9 @@ def test_an_int8_table_is_quantised_from_the_file_a_block_of_rows_at_a_time(tiny
 def test_a_precision_is_part_of_the_fingerprint(tiny_models) -> None:
     root = tiny_models["llama"][0]
     fps = {p: load_model(root, p).fingerprint for p in precision.PRECISIONS}
-    assert len(set(fps.values())) == 3
+    assert len(set(fps.values())) == len(precision.PRECISIONS) == 4
     assert fps["fp32"] == load_model(root).fingerprint  # fp32 keeps the checkpoint's own
-    with pytest.raises(ValueError, match="choose one of fp32, bf16, int8"):
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, int8, w8a8"):
         load_model(root, "fp8")
 
 
@@ -87,21 +88,25 @@ def test_each_precision_computes_what_it_says(tiny_models, family: str) -> None:
     assert isinstance(models["int8"].embed_tokens, quant.Int8Embedding) == models["int8"].cfg.tie_embeddings
     assert _state_bytes(models["int8"]) < 0.5 * _state_bytes(models["fp32"])
     assert _state_bytes(models["bf16"].layers) <= 0.5 * _state_bytes(models["fp32"].layers) + 4096  # norms stay float32
+    w8a8_linears = [m for m in models["w8a8"].layers.modules() if isinstance(m, W8A8Linear)]
+    assert len(w8a8_linears) == 4 * models["w8a8"].cfg.num_layers
+    assert not [m for m in models["w8a8"].modules() if isinstance(m, torch.nn.Linear | quant.Int8Linear)]
+    assert isinstance(models["w8a8"].embed_tokens, W8A8Embedding) == models["w8a8"].cfg.tie_embeddings
     ids = torch.tensor((1,) + rand_ids(30, 7))
     with torch.inference_mode():
         ref = models["fp32"](ids)[-1]
-        for p in ("bf16", "int8"):
+        for p in ("bf16", "int8", "w8a8"):
             got = models[p](ids)[-1]
             assert got.dtype == torch.float32
             assert kl_divergence(ref, got) < 0.05, p  # close to the oracle, not equal to it
             assert kl_divergence(ref, got) > 0.0, p  # and really computed at another precision
 
 
-@pytest.mark.parametrize("p", ["bf16", "int8"])
+@pytest.mark.parametrize("p", ["bf16", "int8", "w8a8"])
 def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
     e = engine_at("gemma3", p)
     assert e.blend_error is None
-    # the int8 screen's bound is for a float32 head: bf16 keeps it, int8's head is int8 itself
+    # the int8 screen's bound is for a float32 head: bf16 keeps it, int8's and w8a8's heads are int8 themselves
     assert (e.greedy_head() is not None) == (p == "bf16")
     req = Request(prefix=(1,) + rand_ids(9, 1), chunks=(rand_ids(12, 2), rand_ids(8, 3)), suffix=rand_ids(4, 4))
     e.precompute(req, "blend")
@@ -173,3 +178,50 @@ def test_an_fp32_model_runs_packed_layers_close_to_the_plain_ones(tiny_models) -
     with torch.inference_mode():
         got, want = model(ids), plain(ids)
     assert torch.allclose(got, want, atol=1e-4) and not torch.equal(got, torch.zeros_like(got))
+
+
+def _w8a8_oracle(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row of x rounded to integers in [-n, n] on its own scale, times the int8 rows, in float64."""
+    s = x.double().abs().amax(1, keepdim=True) / n
+    ints = torch.round(x.double() / s)
+    return (ints @ q.double().T) * s * scale.double()
+
+
+@pytest.mark.parametrize("n", [127, 63])  # the VNNI range, and the 7-bit one of CPUs without VNNI
+def test_w8a8_products_are_int8_rows_times_rounded_activation_rows(monkeypatch, n: int) -> None:
+    if not w8a8.available():
+        pytest.skip("this PyTorch has no FBGEMM")
+    monkeypatch.setattr(w8a8, "levels", lambda: n)
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(640, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 640, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(96, generator=g))
+    layer = W8A8Linear(lin, splits=(32,))
+    q, scale = quant.quantize_rows(lin.weight)
+    x = torch.randn(33, 640, generator=g) * torch.linspace(0.1, 12, 640)  # channels of very different sizes
+    x[:, 7] = 40.0  # an outlier channel, as Gemma's hidden states have
+    got = layer(x)
+    want = _w8a8_oracle(x, q, scale.float(), n) + lin.bias.double()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4), (got.double() - want).abs().max()
+    # every row on its own, in any batch: bitwise
+    assert all(torch.equal(layer(x[i : i + k])[0], got[i]) for i, k in ((0, 1), (5, 2), (9, 8), (32, 1)))
+    # the parts alone give exactly forward's columns
+    assert torch.equal(torch.cat((layer.linear_rows(x, 0, 32), layer.linear_rows(x, 32, 96)), -1), got)
+    with pytest.raises(ValueError, match="whole parts"):
+        layer.linear_rows(x, 0, 40)
+    # the state names the dequantised weight, as an nn.Linear's
+    assert torch.equal(layer.state_dict()["weight"], quant.dequantize(q, scale, torch.float32))
+
+
+def test_w8a8_levels_come_from_the_cpu_flags(monkeypatch, tmp_path) -> None:
+    from pathlib import Path
+
+    real = Path.read_text
+    for flags, want in (("fpu avx2 fma", 63), ("fpu avx2 avx512f avx512_vnni", 127), ("avx2 avx_vnni", 127)):
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, f=flags, **k: f"processor: 0\nflags\t: {f}\n"
+                            if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
+        w8a8.levels.cache_clear()
+        assert w8a8.levels() == want, flags
+    w8a8.levels.cache_clear()

@@ -37,7 +37,8 @@ def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
                                                  "HF checkpoint dir (default: Gemma 3 270M, converted once)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
-                   help="weights: fp32, bf16 (for CPUs with AMX) or int8; activations stay float32 "
+                   help="weights: fp32, bf16 (for CPUs with AMX) or int8 (activations float32), or w8a8 (int8 "
+                        "weights and activation rows) "
                         f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
     p.add_argument("--device", default="cpu",
                    help="where the model computes: cpu (the default), or an accelerator torch has here, such as "
