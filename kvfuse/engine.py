@@ -23,15 +23,16 @@ import torch
 from kvfuse import fuse
 from kvfuse.cache import CacheManager
 from kvfuse.control.policy import Controller, Decision
-from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, batch_limit, step_hidden, step_rows
-from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
+from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, step_hidden
+from kvfuse.drafts import DRAFT_TOKENS
 from kvfuse.fuse import FuseContext, FuseLayout, Fuser
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerSource
 from kvfuse.model import Decoder
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
-from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
+from kvfuse.sampling import SamplingParams
+from kvfuse.scheduler import Scheduler
 from kvfuse.selfcheck import check_fusion
 from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
@@ -56,7 +57,6 @@ def on_model_device(fn: F) -> F:
     return cast(F, run)
 
 BLOCK_SIZE = 16
-MAX_DECODE_BATCH = 8  # the most requests one decoding step may carry (fewer if the check says so)
 Mode = str | Fuser  # a registered fuser's name, or a fuser with its own options (Legolink(head_tokens=8))
 
 
@@ -84,10 +84,10 @@ class Engine:
         self.pipelined = True  # read later-tier chunk layers ahead of the recompute
         self.controller: Controller | None = None  # set one to enable ratio "auto" and decisions
         self._rotate = rotate
-        self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
-        self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
-        self._batch_limit: int | None = None  # decode_batch_limit's checked answer
-        self.draft_tokens = draft_tokens  # the longest draft from the context a greedy step verifies (0: none)
+        # decoding: the first token, drafts from the context, batched steps (`scheduler.py`); the int8
+        # screen's bound is for a float32 head on the CPU (fp32's and bf16's; int8's head is int8 itself)
+        self.scheduler = Scheduler(model, lambda: self.precision in ("fp32", "bf16") and model.device.type == "cpu",
+                                   greedy_screen, draft_tokens)
         self.blend_error: str | None = self._self_check() if self_check else None
         if self.blend_error:
             log.warning("%s", self.blend_error)
@@ -249,12 +249,16 @@ class Engine:
 
     def greedy_head(self) -> GreedyHead | None:
         """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
-        if self._greedy_head is False:
-            fp32 = self.precision in ("fp32", "bf16")  # the screen's bound is for a float32 head (int8's is not)
-            cpu = self.model.device.type == "cpu"  # it pays for a CPU's memory bandwidth, not an accelerator's
-            use = self.greedy_screen and fp32 and cpu
-            self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None
-        return self._greedy_head  # type: ignore[return-value]
+        return self.scheduler.greedy_head()
+
+    @property
+    def draft_tokens(self) -> int:
+        """The longest draft from the context a greedy step verifies (0: no drafts)."""
+        return self.scheduler.draft_tokens
+
+    @draft_tokens.setter
+    def draft_tokens(self, n: int) -> None:
+        self.scheduler.draft_tokens = n
 
     def stream(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
                *, score: Sequence[int] | None = None, record_logits: bool = False) -> TokenStream:
@@ -299,15 +303,9 @@ class Engine:
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
             stop = set()
-        head = self._greedy_head if _greedy(params) and not record_logits else None  # built already: not in TTFT
-        if isinstance(head, GreedyHead):  # only the argmax is needed: the screen finds it without the float head
-            first = head.argmax(self.model.norm(pre.fused.hidden[None])[0])
-        else:
-            first = sample(pre.fused.logits, params, gen)
+        first = self.scheduler.first_token(pre, params, gen, record_logits)
         d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
-        if self.draft_tokens > 0 and _greedy(params) and not record_logits:
-            d.context = Context(req.ids, params.max_tokens)
-            d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
+        self.scheduler.open(d, req.ids)
         for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
             write()  # whether this one is still decoding or not
         d.scored = self._score(pre.fused, score) if score else None
@@ -317,71 +315,14 @@ class Engine:
     @on_model_device
     @torch.inference_mode()
     def advance(self, batch: Sequence[Decoding]) -> None:
-        """Move every unfinished request in the batch on by at least one token, stepping them together in
-        groups of at most `decode_batch_limit()` rows: each gets exactly the tokens it would get stepped
-        alone. A greedy request may verify a draft from its context in the same step (`drafts.py`) with
-        the rows its group leaves free, and then take several tokens.
-
-        A failure of one request's own (its sampling) ends it with `error` set; a failure of the step
-        itself raises."""
-        live = [d for d in batch if not d.done]
-        drafting = any(d.context is not None for d in live)
-        size = self.decode_batch_limit() if len(live) > 1 or drafting else 1
-        for at in range(0, len(live), size):
-            self._step(live[at : at + size], size)
-
-    def _step(self, live: list[Decoding], rows: int) -> None:
-        for d in live:
-            if d.slot is None:
-                d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
-        drafts = self._drafts(live, rows - len(live))
-        h = step_rows(self.model, [d.slot for d in live],  # type: ignore[misc]
-                      [[d.tokens[-1], *draft] for d, draft in zip(live, drafts, strict=True)])
-        spans, at = [], 0  # each request's rows in h
-        for draft in drafts:
-            spans.append(range(at, at + 1 + len(draft)))
-            at += 1 + len(draft)
-        greedy = [j for j, d in enumerate(live) if _greedy(d.params) and d.steps is None]
-        head = self.greedy_head() if greedy else None
-        screened: dict[int, int] = {}  # row -> its argmax
-        if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
-            picked = [r for j in greedy for r in spans[j]]
-            screened = dict(zip(picked, head.argmax_rows(self.model.norm(h[picked])), strict=True))
-        for j, d in enumerate(live):
-            try:
-                chosen = []
-                for r in spans[j]:
-                    if r not in screened:
-                        logits = self.model.logits(h[r : r + 1])[0]
-                        if d.steps is not None:
-                            d.steps.append(logits)
-                        screened[r] = sample(logits, d.params, d.gen, d.tokens)
-                    chosen.append(screened[r])
-                d.take_verified(chosen, drafts[j])
-            except Exception as e:  # this request's own failure (its sampling): the others go on
-                d.fail(e)
-
-    @staticmethod
-    def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
-        """A draft from its context for each greedy request that has one, within `spare` rows in all."""
-        out: list[list[int]] = []
-        for d in live:
-            k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1)
-            draft = d.context.propose(k) if d.context is not None and d.slot is not None and k > 0 else []
-            draft = draft[: max(0, d.slot.room - 1)] if d.slot is not None else []
-            spare -= len(draft)
-            out.append(draft)
-        return out
+        """Move every unfinished request in the batch on by at least one token (`Scheduler.advance`):
+        each gets exactly the tokens it would get stepped alone."""
+        self.scheduler.advance(batch)
 
     @on_model_device
     def decode_batch_limit(self) -> int:
-        """How many requests `advance` steps together on this model and machine with every answer
-        unchanged, up to MAX_DECODE_BATCH (checked once: about a second on Gemma 3 270M)."""
-        if self._batch_limit is None:
-            with torch.inference_mode():
-                self._batch_limit = batch_limit(self.model, MAX_DECODE_BATCH, self.greedy_head())
-            log.info("decoding steps up to %d requests together", self._batch_limit)
-        return self._batch_limit
+        """How many rows a decoding step carries on this model and machine with every answer unchanged."""
+        return self.scheduler.batch_limit()
 
     def _generate(self, req: Request, fuser: Fuser, ratio: Ratio, params: SamplingParams, out: TokenStream,
                   score: Sequence[int] | None, record_logits: bool) -> Generator[int, None, None]:
@@ -407,11 +348,6 @@ class Engine:
         slot = Slot(self.model, fused.cache, len(ids))
         rows = [fused.logits] + [self.model.logits(step_hidden(self.model, [slot], [t]))[0] for t in ids[:-1]]
         return torch.stack(rows).float()
-
-
-def _greedy(params: SamplingParams) -> bool:
-    """Whether a request's tokens are the argmax of plain logits (what the int8 screen finds exactly)."""
-    return params.temperature < MIN_TEMPERATURE and not params.adjusts
 
 
 def _ids(tokens: Sequence[int]) -> torch.Tensor:

@@ -104,7 +104,7 @@ def test_a_request_stores_its_prompt_when_it_starts(tiny_engines) -> None:
 
 
 def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypatch) -> None:
-    from kvfuse import engine as engine_mod
+    from kvfuse import scheduler as engine_mod  # where steps sample
 
     e = tiny_engines["gemma3"]
     sample = engine_mod.sample
@@ -138,12 +138,12 @@ def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypat
 
 def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch) -> None:
     e: Engine = tiny_engines["qwen3"]
-    monkeypatch.setattr(e, "_batch_limit", None)  # restored afterwards, even if this fails
-    monkeypatch.setattr("kvfuse.engine.MAX_DECODE_BATCH", 3)
+    monkeypatch.setattr(e.scheduler, "_batch_limit", None)  # restored afterwards, even if this fails
+    monkeypatch.setattr("kvfuse.scheduler.MAX_DECODE_BATCH", 3)
     sizes: list[int] = []
-    step = e._step
+    step = e.scheduler._step
     monkeypatch.setattr(e, "draft_tokens", 0)  # one token a step, to count them
-    monkeypatch.setattr(e, "_step", lambda live, rows: (sizes.append(len(live)), step(live, rows)))
+    monkeypatch.setattr(e.scheduler, "_step", lambda live, rows: (sizes.append(len(live)), step(live, rows)))
     batch = [e.begin(_request(s, 1), "full", None, SamplingParams(max_tokens=3, ignore_eos=True)) for s in range(7)]
     limit = e.decode_batch_limit()
     assert 2 <= limit <= 3
@@ -194,13 +194,13 @@ def test_wide_rows_step_together_in_batches_of_more_than_two(gemma_wide, monkeyp
     alone = [e.generate(r, "full", None, p, record_logits=k) for r, p, k in zip(reqs, params, rec, strict=True)]
     batch = [e.begin(r, "full", None, p, record_logits=k) for r, p, k in zip(reqs, params, rec, strict=True)]
     sizes: list[int] = []
-    step = e._step
-    e._step = lambda live, rows: (sizes.append(len(live)), step(live, rows))  # type: ignore[method-assign]
+    step = e.scheduler._step
+    e.scheduler._step = lambda live, rows: (sizes.append(len(live)), step(live, rows))  # type: ignore[method-assign]
     try:
         while not all(d.done for d in batch):
             e.advance(batch)
     finally:
-        del e._step
+        del e.scheduler._step
     assert max(sizes) == min(6, limit) > 2
     together = [d.close() for d in batch]
     assert [g.tokens for g in together] == [g.tokens for g in alone]

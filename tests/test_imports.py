@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.control.policy"),
     ("kvfuse.fuse",),
-    ("kvfuse.decode", "kvfuse.cache", "kvfuse.selfcheck"),
+    ("kvfuse.decode", "kvfuse.scheduler", "kvfuse.cache", "kvfuse.selfcheck"),
     ("kvfuse.engine",),
     ("kvfuse.control.profile", "kvfuse.control", "kvfuse.text"),
     ("kvfuse.rag",),

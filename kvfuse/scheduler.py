@@ -1,0 +1,135 @@
+"""The decoding scheduler: how running requests move on once their prompt is in the cache. Token ids only.
+
+`Scheduler` owns what happens after a prefill: choosing a request's first token (`first_token`),
+giving a greedy request its drafts from the context (`open`), and stepping running requests together
+(`advance`): in groups of at most the checked batch limit (`batch_limit`, `decode.batch_limit`), the
+greedy ones screened through the int8 copy of the LM head (`greedy_head`, `lmhead.GreedyHead`) and
+verifying their drafts in the rows their group leaves free (`drafts.py`), the others sampled. Whatever
+the grouping and the drafts, each request gets exactly the tokens it would get stepped alone.
+
+The engine builds the prefill (`Engine.begin`) and hands the `Decoding` over; the server's worker and
+`Engine.generate` call `advance`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
+from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
+from kvfuse.lmhead import GreedyHead
+from kvfuse.model import Decoder
+from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+MAX_DECODE_BATCH = 8  # the most rows one decoding step may carry (fewer if the check says so)
+
+
+def greedy(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the argmax of plain logits (what the int8 screen finds exactly)."""
+    return params.temperature < MIN_TEMPERATURE and not params.adjusts
+
+
+class Scheduler:
+    """Decoding for one model: the first token, drafts, batched steps. `screen` says whether the model's
+    head is one the int8 screen may stand for (a float32 head on the CPU); `draft_tokens` is the longest
+    draft a greedy step verifies (0: no drafts)."""
+
+    def __init__(self, model: Decoder, screen: Callable[[], bool], greedy_screen: bool = True,
+                 draft_tokens: int = DRAFT_TOKENS) -> None:
+        self.model = model
+        self._screen = screen
+        self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
+        self.draft_tokens = draft_tokens
+        self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
+        self._batch_limit: int | None = None  # batch_limit's checked answer
+
+    def greedy_head(self) -> GreedyHead | None:
+        """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
+        if self._greedy_head is False:
+            use = self.greedy_screen and self._screen()
+            self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None
+        return self._greedy_head  # type: ignore[return-value]
+
+    def batch_limit(self) -> int:
+        """How many rows one step may carry on this model and machine with every answer unchanged, up to
+        MAX_DECODE_BATCH (checked once: about a second on Gemma 3 270M)."""
+        if self._batch_limit is None:
+            with torch.inference_mode():
+                self._batch_limit = batch_limit(self.model, MAX_DECODE_BATCH, self.greedy_head())
+            log.info("decoding steps up to %d rows together", self._batch_limit)
+        return self._batch_limit
+
+    def first_token(self, pre: Prefilled, params: SamplingParams, gen: torch.Generator | None,
+                    record_logits: bool) -> int:
+        """The token after the prompt: the screen's argmax for a greedy request (once the screen is built,
+        so that no request pays for the build in its TTFT), else sampled from the prompt's logits."""
+        head = self._greedy_head if greedy(params) and not record_logits else None
+        if isinstance(head, GreedyHead):  # only the argmax is needed: the screen finds it without the float head
+            return head.argmax(self.model.norm(pre.fused.hidden[None])[0])
+        return sample(pre.fused.logits, params, gen)
+
+    def open(self, d: Decoding, prompt: Sequence[int]) -> None:
+        """Let a greedy request (no recorded logits) draft from its prompt and its own tokens."""
+        if self.draft_tokens > 0 and greedy(d.params) and d.steps is None:
+            d.context = Context(prompt, d.params.max_tokens)
+            d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
+
+    def advance(self, batch: Sequence[Decoding]) -> None:
+        """Move every unfinished request in the batch on by at least one token, stepping them together in
+        groups of at most `batch_limit()` rows: each gets exactly the tokens it would get stepped alone.
+        A greedy request may verify a draft from its context in the same step with the rows its group
+        leaves free, and then take several tokens.
+
+        A failure of one request's own (its sampling) ends it with `error` set; a failure of the step
+        itself raises."""
+        live = [d for d in batch if not d.done]
+        drafting = any(d.context is not None for d in live)
+        size = self.batch_limit() if len(live) > 1 or drafting else 1
+        for at in range(0, len(live), size):
+            self._step(live[at : at + size], size)
+
+    def _step(self, live: list[Decoding], rows: int) -> None:
+        for d in live:
+            if d.slot is None:
+                d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
+        drafts = _drafts(live, rows - len(live))
+        h = step_rows(self.model, [d.slot for d in live],  # type: ignore[misc]
+                      [[d.tokens[-1], *draft] for d, draft in zip(live, drafts, strict=True)])
+        spans, at = [], 0  # each request's rows in h
+        for draft in drafts:
+            spans.append(range(at, at + 1 + len(draft)))
+            at += 1 + len(draft)
+        screened = [j for j, d in enumerate(live) if greedy(d.params) and d.steps is None]
+        head = self.greedy_head() if screened else None
+        chosen: dict[int, int] = {}  # row -> its token
+        if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
+            picked = [r for j in screened for r in spans[j]]
+            chosen = dict(zip(picked, head.argmax_rows(self.model.norm(h[picked])), strict=True))
+        for j, d in enumerate(live):
+            try:
+                for r in spans[j]:
+                    if r not in chosen:
+                        logits = self.model.logits(h[r : r + 1])[0]
+                        if d.steps is not None:
+                            d.steps.append(logits)
+                        chosen[r] = sample(logits, d.params, d.gen, d.tokens)
+                d.take_verified([chosen[r] for r in spans[j]], drafts[j])
+            except Exception as e:  # this request's own failure (its sampling): the others go on
+                d.fail(e)
+
+
+def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
+    """A draft from its context for each request that has one, within `spare` rows in all."""
+    out: list[list[int]] = []
+    for d in live:
+        k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1)
+        draft = d.context.propose(k) if d.context is not None and d.slot is not None and k > 0 else []
+        draft = draft[: max(0, d.slot.room - 1)] if d.slot is not None else []
+        spare -= len(draft)
+        out.append(draft)
+    return out
