@@ -68,13 +68,18 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
         torch.backends.quantized.engine = engine
 
 
+def round_rows(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers in [-levels(), levels()], scale (rows, 1)) of float rows (rows, cols): row i is ints[i] * s[i]
+    as the kernel reads it."""
+    s = flat.abs().amax(1, keepdim=True).clamp_min(1e-30) / levels()  # each row's own scale
+    return torch.round(flat / s), s
+
+
 def matmul(x: torch.Tensor, packed: torch.ScriptObject, out_features: int) -> torch.Tensor:
     """x (..., cols) float times the packed int8 rows, transposed -> (..., out_features) float32."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    n = levels()
-    s = flat.abs().amax(1, keepdim=True).clamp_min(1e-30) / n  # (rows, 1): each row's own scale
-    ints = torch.round(flat / s)  # in [-n, n]: the kernel adds the zero point and reads them exactly
-    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(ints, 1.0, n + 1, packed)
+    ints, s = round_rows(x.reshape(-1, x.shape[-1]).float())
+    # the kernel adds the zero point to the integers (exact in u8) and sums their products in int32
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(ints, 1.0, levels() + 1, packed)
     return (out * s).reshape(*x.shape[:-1], out_features)
 
 

@@ -4,18 +4,25 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfuse.lmhead import GreedyHead
+from kvfuse import w8a8
+from kvfuse.lmhead import SCREENS, GreedyHead
+
+KERNELS = [k if k != "w8a8" or w8a8.available() else pytest.param(k, marks=pytest.mark.skip("no FBGEMM"))
+           for k in SCREENS]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=40, deadline=None)
 @given(vocab=st.integers(2, 700), hidden=st.sampled_from([16, 32, 64, 640]), seed=st.integers(0, 2**16),
-       x_scale=st.sampled_from([0.01, 1.0, 300.0]))
-def test_screened_argmax_is_the_float32_argmax(vocab: int, hidden: int, seed: int, x_scale: float) -> None:
+       x_scale=st.sampled_from([0.01, 1.0, 300.0]), outlier=st.sampled_from([1.0, 15.0]))
+def test_screened_argmax_is_the_float32_argmax(kernel: str, vocab: int, hidden: int, seed: int, x_scale: float,
+                                               outlier: float) -> None:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g)  # rows of unequal size
-    head = GreedyHead(w)
+    head = GreedyHead(w, kernel)
     for _ in range(5):
         x = torch.randn(hidden, generator=g) * x_scale
+        x[0] *= outlier  # a channel far above the others, as Gemma's normed hidden states have
         exact = F.linear(x[None], w)[0]
         cand = head.candidates(x)
         assert int(exact.argmax()) in cand.tolist()
@@ -24,16 +31,29 @@ def test_screened_argmax_is_the_float32_argmax(vocab: int, hidden: int, seed: in
     assert head.argmax_rows(xs) == [int(r.argmax()) for r in F.linear(xs, w)]
 
 
-def test_the_screen_reads_few_rows_and_settles_near_ties() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_screen_reads_few_rows_and_settles_near_ties(kernel: str) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(5000, 64, generator=g)
     x = torch.randn(64, generator=g) * 4
-    head = GreedyHead(w)
-    assert len(head.candidates(x)) < 50  # it screens: most of the vocabulary is ruled out
+    head = GreedyHead(w, kernel)
+    assert head.kernel == kernel
+    assert len(head.candidates(x)) < 100  # it screens: most of the vocabulary is ruled out
     best = int(F.linear(x[None], w)[0].argmax())
     w2 = torch.cat([w, w[best : best + 1] * (1 - 3e-6)])  # a near-copy of the winner, just below it
     w2[best] *= 1 + 3e-6
-    assert GreedyHead(w2).argmax(x) == int(F.linear(x[None], w2)[0].argmax()) == best
+    assert GreedyHead(w2, kernel).argmax(x) == int(F.linear(x[None], w2)[0].argmax()) == best
+
+
+def test_the_screen_prefers_fbgemm_where_it_exists(monkeypatch) -> None:
+    from kvfuse import lmhead
+
+    w = torch.randn(300, 64)
+    assert GreedyHead.build(w).kernel == ("w8a8" if w8a8.available() else "int8pack")  # type: ignore[union-attr]
+    monkeypatch.setattr(w8a8, "available", lambda: False)
+    assert lmhead.default_screen() == "int8pack"
+    with pytest.raises(ValueError, match="unknown screen kernel"):
+        GreedyHead(w, "fp8")
 
 
 def test_without_the_kernel_decoding_keeps_the_float32_head(tiny_engines, monkeypatch) -> None:
@@ -45,6 +65,7 @@ def test_without_the_kernel_decoding_keeps_the_float32_head(tiny_engines, monkey
     plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
     assert screened.greedy_head() is not None and plain.greedy_head() is None
     monkeypatch.delattr(torch, "_weight_int8pack_mm")
+    monkeypatch.setattr(w8a8, "available", lambda: False)
     assert GreedyHead.build(e.model.head_weight()) is None
     gone = Engine(e.model, e.fingerprint, self_check=False)
     assert gone.greedy_head() is None
