@@ -94,6 +94,10 @@ def test_the_cli_names_a_bad_device_and_loads_nothing(tmp_path) -> None:  # type
     with pytest.raises(SystemExit, match="int8 runs on the CPU only"):
         main(["generate", "--chunk-file", str(tmp_path / "c.txt"), "--question", "q", "--precision", "int8",
               "--device", "cuda"])
+    # an unknown mode is named with the registered ones, before a model is resolved
+    with pytest.raises(SystemExit, match="kvfuse: unknown mode 'bogus'; choose one of full, prefix"):
+        main(["generate", "--chunk-file", str(tmp_path / "c.txt"), "--question", "q", "--mode", "bogus",
+              "--model", str(tmp_path / "no-model")])
 
 
 def test_each_device_type_has_its_own_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]

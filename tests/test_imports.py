@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
 
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling", "kvfuse.metrics",
+    ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling",
+     "kvfuse.metrics",
      "kvfuse.quant", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts", "kvfuse.precision",
      "kvfuse.lmhead", "kvfuse.weights",
      "kvfuse.store"),
@@ -172,3 +173,26 @@ def test_the_checker_catches_a_cycle_and_a_back_edge(tmp_path: Path) -> None:
     assert layer_of(found[0][0]) > layer_of("kvfuse.engine")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_parsers_import_no_torch() -> None:
+    """`kvfuse --help` and every command's `--help` answer without torch (or the model's other heavy
+    dependencies): the parsers read their defaults from `kvfuse.defaults`."""
+    import subprocess
+    import sys
+
+    heavy = "('torch', 'transformers', 'fastapi', 'sentence_transformers')"
+    code = (f"import sys; from kvfuse.cli.main import build_parser; build_parser(); "
+            f"print([m for m in {heavy} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    for args in (["--help"], ["ask", "--help"], ["generate", "--help"]):
+        r = subprocess.run([sys.executable, "-m", "kvfuse", *args], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_the_light_defaults_agree_with_the_registry() -> None:
+    from kvfuse import defaults, fuse
+
+    assert fuse.modes()[: len(defaults.BUILTIN_MODES)] == defaults.BUILTIN_MODES
+    assert fuse.DEFAULT_MODE == defaults.DEFAULT_MODE in fuse.modes()

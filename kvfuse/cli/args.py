@@ -99,7 +99,7 @@ def byte_size(value: str) -> int:
 
 
 def budget_flags(p: argparse.ArgumentParser) -> None:
-    from kvfuse.store import DEFAULT_CAPACITY  # a light import: no torch
+    from kvfuse.defaults import DEFAULT_CAPACITY  # a light import: no torch
 
     p.add_argument("--memory-bytes", type=byte_size, default=DEFAULT_CAPACITY["memory"],
                    help="the memory tier's budget (LRU by bytes, pinned entries kept; default 4G)")

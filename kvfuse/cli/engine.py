@@ -12,14 +12,15 @@ from kvfuse.runtime import DEFAULT_FLOOR, attach_controller, open_engine, store_
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvfuse.fuse import DEFAULT_MODE, modes
+    from kvfuse.defaults import BUILTIN_MODES, DEFAULT_MODE
 
     g = sub.add_parser("generate", help="answer a question over a prefix and chunks in one of the modes")
     model_flag(g)
     g.add_argument("--prefix-file", help="text placed after the instruction head, cached as a prefix")
     g.add_argument("--chunk-file", action="append", default=[], help="a chunk's text file (repeatable, in order)")
     g.add_argument("--question", required=True, help="the question (the never-cached suffix)")
-    g.add_argument("--mode", choices=list(modes()), default=DEFAULT_MODE)
+    g.add_argument("--mode", default=DEFAULT_MODE, help=f"a registered fuser: {', '.join(BUILTIN_MODES)} or an "
+                   f"extension's (default: {DEFAULT_MODE})")
     g.add_argument("--ratio", type=ratio, default=None, help=RATIO_HELP)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -65,6 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import DEFAULT_STOP, Prompt, complete_answer
 
+    if args.mode not in FUSERS:  # checked here, not by the parser: extensions register fusers too
+        raise fail(ValueError(f"unknown mode {args.mode!r}; choose one of {', '.join(FUSERS)}"))
     prompt = Prompt(
         prefix_text=read(args.prefix_file, "--prefix-file") if args.prefix_file else None,
         chunks=tuple(read(f, "--chunk-file") for f in args.chunk_file),

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvfuse.kb.answer import ANSWER_TOKENS
+    from kvfuse.defaults import ANSWER_TOKENS
     from kvfuse.rag.index import RETRIEVERS
 
     kb = sub.add_parser("kb", help="build a knowledge base's cached prefix, or print its stats and daily cost")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
+from kvfuse import defaults
 from kvfuse.config import ModelConfig
 from kvfuse.fuse.core import Fused, FuseLayout, Pause, Rerotate, no_pause
 from kvfuse.loader import LayerLoader
@@ -84,11 +85,7 @@ class Fuser(Protocol):
 
 
 FUSERS: dict[str, type[Fuser]] = {}
-# The mode a request with chunks gets when it names none: `generate`, `ask --index`, the server, and the
-# eval's `default` method. Query-aware selection over chunks computed behind a copy of themselves
-# (queryaware@0.2:behind=self), chosen on the calibration sets of both packaged models and confirmed on
-# the MuSiQue dev cases (docs/benchmarks.md, issue G); blend stays the paper baseline.
-DEFAULT_MODE = "queryaware"
+DEFAULT_MODE = defaults.DEFAULT_MODE  # (where it is chosen, and why: `kvfuse/defaults.py`)
 
 
 def check_behind(behind: str) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.defaults import ANSWER_TOKENS
 from kvfuse.fuse.registry import DEFAULT_MODE, residual_layer
 from kvfuse.kb.conflicts import Conflict, conflicts_for
 from kvfuse.kb.manifest import Document, KBError
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.text.tokenizer import Tokenizer
 
-ANSWER_TOKENS = 48  # the default answer length: fits a sentence with a number (docs/benchmarks.md, issue L)
 QUOTE_TOKENS = 48  # a quote is at most a sentence; one that runs past this is no usable quote
 QUOTE_STOPS = ('"', "”", "\n")
 

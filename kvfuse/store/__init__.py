@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvfuse.defaults import DEFAULT_CAPACITY
 from kvfuse.store.base import TIERS, CorruptEntryError, Remote, SharedLocks, Tier, TierSettings, register_tier
 from kvfuse.store.disk import DiskTier
 from kvfuse.store.keys import BlockHash, CacheKey, ChunkKey, chunk_key, hash_block_tokens, prefix_block_hashes
@@ -14,7 +15,6 @@ from kvfuse.store.redis import RedisTier
 from kvfuse.store.tiered import Opened, StoreStats, TieredStore
 
 DEFAULT_TIERS = ("memory", "disk", "redis")  # a tier whose settings are missing is left out
-DEFAULT_CAPACITY = {"memory": 4 << 30, "disk": 20 << 30}
 
 
 def open_store(
