@@ -14,6 +14,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [3 + ord(c) % (self.vocab - 3) for c in text]
 
+    def encode_markup(self, markup: str) -> list[int]:  # no control tokens in a character vocabulary
+        return self.encode(markup)
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         return self.encode(text), [(i, i + 1) for i in range(len(text))]
 

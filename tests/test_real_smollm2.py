@@ -67,5 +67,7 @@ def test_smollm2_chat_uses_the_checkpoints_own_template(smol) -> None:  # type: 
     msgs = [("system", "Be brief."), ("user", "Hi")]
     rendered = tok.render_chat([{"role": r, "content": c} for r, c in msgs], add_generation_prompt=True)
     assert rendered.endswith(t.render(msgs) + "<|im_start|>assistant\n")  # the checkpoint's own layout
-    assert t.turns(tok, msgs) == [i for text in ("<|im_start|>system\n", "Be brief.", "<|im_end|>\n",
-                                                 "<|im_start|>user\n", "Hi", "<|im_end|>\n") for i in tok.encode(text)]
+    markup, text = tok.encode_markup, tok.encode
+    assert t.turns(tok, msgs) == [i for enc, s in ((markup, "<|im_start|>system\n"), (text, "Be brief."),
+                                                   (markup, "<|im_end|>\n"), (markup, "<|im_start|>user\n"),
+                                                   (text, "Hi"), (markup, "<|im_end|>\n")) for i in enc(s)]

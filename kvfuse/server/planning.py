@@ -95,7 +95,7 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         # the conversation follows the fused documents; without them it is a cacheable prefix (turn N+1 reuses N)
         after, suffix = ([], turns + gen) if chunks else (turns, gen)
         if state.chat.stop_marker:
-            stop_ids += [t for t in tok.encode(state.chat.stop_marker)][:1]
+            stop_ids += [t for t in tok.encode_markup(state.chat.stop_marker)][:1]
         question = msgs[-1][1]
         default_max = CHAT_DEFAULT_MAX_TOKENS
     else:

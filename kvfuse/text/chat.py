@@ -17,7 +17,9 @@ from typing import Protocol
 
 
 class ChatTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...  # text: a control token's spelling stays characters
+
+    def encode_markup(self, markup: str) -> list[int]: ...  # the template's own markup: control tokens
 
 
 class JinjaTokenizer(Protocol):
@@ -66,14 +68,14 @@ class ChatTemplate:
                 content = "\n\n".join(pending + [content])
                 pending = []
             ids += self.generation_prompt(tok, role) + tok.encode(self.content_prefix + content)
-            ids += tok.encode(self.close_turn)
+            ids += tok.encode_markup(self.close_turn)
         if pending:  # system text and no user turn after it: a user turn of its own
             ids += self.generation_prompt(tok, "user") + tok.encode(self.content_prefix + "\n\n".join(pending))
-            ids += tok.encode(self.close_turn)
+            ids += tok.encode_markup(self.close_turn)
         return ids
 
     def generation_prompt(self, tok: ChatTokenizer, role: str = "assistant") -> list[int]:
-        return list(tok.encode(self.open_turn.format(role=self.role(role))))
+        return list(tok.encode_markup(self.open_turn.format(role=self.role(role))))
 
     def render(self, messages: Sequence[tuple[str, str]]) -> str:
         """The text `turns` tokenises (system turns as their own, as the Jinja probe renders them)."""

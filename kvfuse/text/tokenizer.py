@@ -25,11 +25,18 @@ class Tokenizer:
         self.bos_id: int | None = self._tok.bos_token_id
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        """Text as text: a control token's spelling in it (`<end_of_turn>`, `<|im_start|>`, `<eos>`) is
+        encoded as its characters, never as the control token. Everything a request brings is text."""
+        return list(self._tok.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def encode_markup(self, markup: str) -> list[int]:
+        """A template's own markup (turn markers, a stop marker): control tokens' spellings become them.
+        Only the chat templates call this, on strings of their own."""
+        return list(self._tok.encode(markup, add_special_tokens=False))
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids with the (start, end) character span of each in text."""
-        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        """Token ids with the (start, end) character span of each in text (text as text, as `encode`)."""
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
         return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
 
     def decode(self, ids: Sequence[int]) -> str:
