@@ -13,6 +13,7 @@ The engine builds the prefill (`Engine.begin`) and hands the `Decoding` over; th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -42,7 +43,7 @@ class Scheduler:
     def __init__(self, model: Decoder, screen: Callable[[], bool], greedy_screen: bool = True,
                  draft_tokens: int = DRAFT_TOKENS) -> None:
         self.model = model
-        self._screen = screen
+        self._screen = functools.cache(screen)  # the model's precision and device do not change
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self.draft_tokens = draft_tokens
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
@@ -73,9 +74,16 @@ class Scheduler:
             return head.argmax(self.model.norm(pre.fused.hidden[None])[0])
         return sample(pre.fused.logits, params, gen)
 
+    def drafts_pay(self) -> bool:
+        """Whether drafts can pay here: only where greedy rows are screened (`greedy_head`), whose cost
+        hardly grows with rows. A head read whole for every row (int8's, w8a8's, an accelerator's) costs
+        each draft row a full head: measured on int8, drafts made a cached-prefix answer 1.2x slower
+        (docs/benchmarks.md, issue M)."""
+        return self.greedy_screen and self._screen()
+
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
         """Let a greedy request (no recorded logits) draft from its prompt and its own tokens."""
-        if self.draft_tokens > 0 and greedy(d.params) and d.steps is None:
+        if self.draft_tokens > 0 and greedy(d.params) and d.steps is None and self.drafts_pay():
             d.context = Context(prompt, d.params.max_tokens)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
