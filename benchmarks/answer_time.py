@@ -1,7 +1,7 @@
 """Whole answers against llama.cpp (issue M): the time a person waits, not only the first token.
 
     .venv/bin/python benchmarks/vs_llamacpp.py --setup     # once: llama-cpp-python into .bench/llamacpp
-    .venv/bin/python benchmarks/answer_time.py [--precision fp32] [--rounds 5] [--tokens 24] [--cases 1]
+    .venv/bin/python benchmarks/answer_time.py [--precision fp32] [--rounds 5] [--tokens 24] [--skip-rag] [--out F]
 
 One precision per run (its own process, so its peak RSS is its own). Both engines get the same token ids
 (kvfuse's tokenizer, with the engine's preamble) and answer greedily a fixed number of tokens (EOS
