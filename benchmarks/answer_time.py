@@ -25,7 +25,6 @@ import json
 import platform
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median_ratio, medians, musique_cases, musique_prompt  # noqa: E402
-from vs_llamacpp import LLAMA_CPP_VERSION, VENV  # noqa: E402
+from vs_llamacpp import LLAMA_CPP_VERSION, LlamaCpp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,24 +62,12 @@ for line in sys.stdin:
 '''
 
 
-class Llama:
-    """llama.cpp in a worker process of its own venv (see vs_llamacpp.py --setup), over stdin/stdout."""
+class Llama(LlamaCpp):
+    """llama.cpp (vs_llamacpp's worker process) that keeps a prefix in its KV cache and answers after it."""
 
     def __init__(self, gguf: Path, n_ctx: int) -> None:
-        if not (VENV / "bin" / "python").is_file():
-            raise SystemExit(f"no llama.cpp venv at {VENV}: run benchmarks/vs_llamacpp.py --setup first")
-        self.proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", WORKER, str(gguf), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        super().__init__(gguf, WORKER, str(n_ctx))
         self.kept: list[int] = []
-
-    def call(self, **cmd: object) -> dict:  # type: ignore[type-arg]
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit("the llama.cpp worker exited")
-        return json.loads(line)  # type: ignore[no-any-return]
 
     def keep(self, ids: list[int]) -> None:
         self.call(op="keep", ids=ids)
@@ -90,11 +77,6 @@ class Llama:
         """Answer after the kept prefix where ids start with it (a rollback), else from scratch."""
         keep = len(self.kept) if ids[: len(self.kept)] == self.kept else 0
         return self.call(op="answer", keep=keep, ids=ids[keep:], tokens=tokens)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import musique_cases, musique_prompt  # noqa: E402
-from vs_llamacpp import VENV  # noqa: E402
+from vs_llamacpp import LlamaCpp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,22 +97,14 @@ def main() -> None:
             gguf.parent.mkdir(parents=True, exist_ok=True)
             PACKAGED[DEFAULT_MODEL_NAME].gguf(gguf)
         n_ctx = max(len(r.ids) for r in reqs) + len(pre) + args.tokens + 16
-        proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", WORKER, str(gguf), str(n_ctx)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
+        llama = LlamaCpp(gguf, WORKER, str(n_ctx))
         logits["llama.cpp Q4_K_M"] = []
         with tempfile.TemporaryDirectory() as tmp:
             for r, cont in zip(reqs, conts, strict=True):
-                ids = pre + list(r.ids) + cont[:-1]
                 n = len(pre) + len(r.ids)
-                out = f"{tmp}/s.npy"
-                proc.stdin.write(json.dumps({"ids": ids, "lo": n - 1, "hi": n - 1 + len(cont), "out": out}) + "\n")
-                proc.stdin.flush()
-                if not proc.stdout.readline():
-                    raise SystemExit("the llama.cpp worker exited")
-                logits["llama.cpp Q4_K_M"].append(torch.from_numpy(np.load(out)))
-        proc.stdin.close()
-        proc.wait(timeout=30)
+                llama.call(ids=pre + list(r.ids) + cont[:-1], lo=n - 1, hi=n - 1 + len(cont), out=f"{tmp}/s.npy")
+                logits["llama.cpp Q4_K_M"].append(torch.from_numpy(np.load(f"{tmp}/s.npy")))
+        llama.close()
     print(f"\n{len(reqs)} MuSiQue dev cases, {args.passages} passages, {args.tokens} teacher-forced tokens "
           f"(fp32's greedy continuation); prompts {min(len(r.ids) for r in reqs)}-{max(len(r.ids) for r in reqs)} "
           "tokens\n")

@@ -94,13 +94,14 @@ def setup() -> None:
 class LlamaCpp:
     """llama.cpp in a worker process of its own venv, driven over stdin/stdout."""
 
-    def __init__(self, gguf: Path) -> None:
+    def __init__(self, gguf: Path, worker: str = WORKER, *args: str) -> None:
+        """Start `worker` (Python source reading JSON commands, one a line) with the GGUF and args."""
         if not (VENV / "bin" / "python").is_file():
-            raise SystemExit(f"no llama.cpp venv at {VENV}: run with --setup first")
-        self.proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", WORKER, str(gguf)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+            raise SystemExit(f"no llama.cpp venv at {VENV}: run benchmarks/vs_llamacpp.py --setup first")
+        self.proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", worker, str(gguf), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def call(self, **cmd: object) -> dict[str, float]:
+    def call(self, **cmd: object) -> dict:  # type: ignore[type-arg]
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
