@@ -135,9 +135,9 @@ def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
     """A draft from its context for each request that has one, within `spare` rows in all."""
     out: list[list[int]] = []
     for d in live:
-        k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1)
-        draft = d.context.propose(k) if d.context is not None and d.slot is not None and k > 0 else []
-        draft = draft[: max(0, d.slot.room - 1)] if d.slot is not None else []
+        assert d.slot is not None  # `_step` gives every request its slot first
+        k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1, d.slot.room - 1)
+        draft = d.context.propose(k) if d.context is not None and k > 0 else []
         spare -= len(draft)
         out.append(draft)
     return out
