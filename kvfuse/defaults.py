@@ -1,6 +1,8 @@
 """Names and defaults that the CLI's parsers (`--help`) read without importing torch or the model.
 Each is defined here once and imported by the module it belongs to."""
 
+from pathlib import Path
+
 # the built-in fusers, in registration order (`kvfuse/fuse/__init__.py`; `fuse.registry` checks it)
 BUILTIN_MODES = ("full", "prefix", "reuse", "blend", "legolink", "queryaware")
 # The mode a request with chunks gets when it names none: `generate`, `ask --index`, the server, and the
@@ -12,3 +14,13 @@ DEFAULT_MODE = "queryaware"
 DEFAULT_CAPACITY = {"memory": 4 << 30, "disk": 20 << 30}
 # a knowledge-base answer's default length: fits a sentence with a number (docs/benchmarks.md, issue L)
 ANSWER_TOKENS = 48
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's flags in /proc/cpuinfo (empty where there is none): what code paths and defaults
+    are chosen by, at run time, since the machines vary."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))

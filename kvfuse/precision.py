@@ -24,7 +24,10 @@ different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
+
+from kvfuse.defaults import cpu_flags
 
 if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads the names without it
     from collections.abc import Callable
@@ -37,7 +40,27 @@ if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads
     from kvfuse.quant import Rows
 
 PRECISIONS = ("fp32", "bf16", "int8", "w8a8")
+# the oracle every other precision is measured against, and the library's default (`Engine.load`,
+# `load_model`); the CLI's default follows the CPU (`default_precision`)
 DEFAULT_PRECISION = "fp32"
+
+# Issue M's rule: the CLI's default is the fastest precision whose fidelity to fp32 on the 50 MuSiQue dev
+# cases is at least llama.cpp Q4_K_M's (`benchmarks/fidelity.py`, `benchmarks/answer_time.py`;
+# docs/benchmarks.md, issue M). Each entry is a CPU class where that was measured, first match wins:
+# - AMX (Intel Xeon): fp32 answered a cached-kb question faster than bf16 (1.36x against 1.67x
+#   llama.cpp's time, issue M's table), so fp32 until bf16 is measured faster there;
+# - avx512_bf16 without AMX (AMD EPYC, stop 41): bf16 as fast as fp32 on the cached kb (1.04x against
+#   1.02x), faster on RAG (0.147x against 0.18x), 0.93x the RSS, and 49/50 with KL 0.0001 against
+#   llama.cpp's 42/50 with KL 0.019;
+# - anything else (AVX2 only): fp32; bfloat16 products are emulated there and several times slower.
+CPU_DEFAULTS = (("amx_bf16", "fp32"), ("avx512_bf16", "bf16"))
+
+
+@functools.cache
+def default_precision() -> str:
+    """The CLI's default precision on this CPU (`CPU_DEFAULTS`); torch is not imported."""
+    flags = cpu_flags()
+    return next((precision for flag, precision in CPU_DEFAULTS if flag in flags), DEFAULT_PRECISION)
 LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32"}  # all round from float
 
 

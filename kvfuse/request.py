@@ -59,8 +59,14 @@ class Salt:
     tenant: str | None = None
 
     @classmethod
-    def of_tenant(cls, tenant: str | None) -> Salt | None:
-        return cls(tenant=tenant) if tenant else None
+    def of_owner(cls, tenant: str | None, group: str | None, kb: str | None = None,
+                 tenant_wide: bool = False) -> Salt | None:
+        """The salt of everything a request brings (its documents, chat turns, plain prompt): its tenant
+        and the group it reads as (of kb, if any), so no other group of the tenant reads its entries;
+        tenant-wide where the operator opted in. None without a tenant (no keys: one shared cache)."""
+        if not tenant:
+            return None
+        return cls(tenant=tenant) if tenant_wide else cls(kb=kb, group=group, tenant=tenant)
 
     def key(self) -> str:
         """The one rendering of a salt into a store key: 'kb:NAME/group:G', 'tenant:T', ..."""

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from kvfuse.defaults import cpu_flags
 from kvfuse.quant import Int8Embedding, Rows, quantize_rows
 
 _VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -40,11 +40,7 @@ _VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
 @functools.cache
 def levels() -> int:
     """The largest |integer| an activation is rounded to on this CPU: 127 with VNNI, else 63."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return 63  # unknown: the range that cannot saturate
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    flags = cpu_flags()  # none known: the range that cannot saturate
     return 127 if any(f in flags for f in _VNNI) else 63
 
 

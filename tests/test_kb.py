@@ -158,7 +158,11 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     key = kb.engine.cache.chunk_key
     assert key(chunk, Salt(tenant="a")) != key(chunk, Salt(tenant="b")) != key(chunk)
     assert Salt(tenant="a").key() == "tenant:a" and Salt(kb="demo", group="support").key() == "kb:demo/group:support"
-    assert answer.prepare(kb, "q?", "support", "tenant-a").request.chunk_salt == Salt(tenant="tenant-a")
+    # what a request brings is its tenant's and group's own, or the tenant's where it opted in
+    assert answer.prepare(kb, "q?", "support", "tenant-a").request.chunk_salt == Salt("demo", "support", "tenant-a")
+    assert answer.prepare(kb, "q?", "support", "tenant-a", tenant_wide=True).request.chunk_salt == Salt(
+        tenant="tenant-a")
+    assert answer.prepare(kb, "q?", "support").request.chunk_salt is None
 
 
 def test_cost_arithmetic_matches_the_seed() -> None:

@@ -225,3 +225,25 @@ def test_w8a8_levels_come_from_the_cpu_flags(monkeypatch, tmp_path) -> None:
         w8a8.levels.cache_clear()
         assert w8a8.levels() == want, flags
     w8a8.levels.cache_clear()
+
+
+def test_cli_default_precision_follows_the_cpu_flags(monkeypatch) -> None:
+    """Issue M's rule, per CPU class measured: bf16 with avx512_bf16 and no AMX, fp32 on AMX and AVX2 hosts;
+    the library's default stays the fp32 oracle, and `--help` names the CPU's default."""
+    from kvfuse import defaults
+    from kvfuse import precision as prec
+    from kvfuse.cli.args import model_flag
+
+    for flags, want in ((set(), "fp32"), ({"avx2", "fma"}, "fp32"), ({"avx512f", "avx512_bf16"}, "bf16"),
+                        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "fp32")):
+        monkeypatch.setattr(prec, "cpu_flags", lambda f=frozenset(flags): f)
+        prec.default_precision.cache_clear()
+        assert prec.default_precision() == want, flags
+        import argparse
+
+        p = argparse.ArgumentParser()
+        model_flag(p)
+        assert p.parse_args([]).precision == want and f"(default: {want})" in " ".join(p.format_help().split())
+    prec.default_precision.cache_clear()
+    assert prec.DEFAULT_PRECISION == "fp32" and prec.default_precision() in prec.PRECISIONS
+    assert isinstance(defaults.cpu_flags(), frozenset)

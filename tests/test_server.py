@@ -57,13 +57,14 @@ ADMIN_SUPPORT = {"Authorization": "Bearer sk-admin-support"}
 BETA = {"Authorization": "Bearer sk-beta-support"}
 
 
-def _serve(tiny_models, tmp, keys: bool = True, tok=None, **limits):  # type: ignore[no-untyped-def]
+def _serve(tiny_models, tmp, keys: bool | str = True, tok=None, **limits):  # type: ignore[no-untyped-def]
     """A server over its own copy of the demo knowledge base and its own store (`limits` override the
-    tests' Limits; `tok` replaces the character tokenizer; `keys=False` serves without keys)."""
+    tests' Limits; `tok` replaces the character tokenizer; `keys=False` serves without keys, a string
+    is the keys.toml to serve with)."""
     root, _ = tiny_models["gemma3"]
     lm = load_model(root)
     write_kb(tmp / "kb")
-    (tmp / "keys.toml").write_text(KEYS)
+    (tmp / "keys.toml").write_text(keys if isinstance(keys, str) else KEYS)
     engine = Engine(lm.model, lm.fingerprint, store=open_store(tmp / "store", lm.fingerprint))
     engine.cfg = dataclasses.replace(engine.cfg, eos_token_ids=())  # generations always run to max_tokens
     tok = tok or CharTokenizer()
@@ -337,6 +338,53 @@ def test_tenants_never_hit_each_others_prompts(srv) -> None:
         other = h.post("/v1/completions", json=body).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _cached(srv, headers, body: dict) -> int:  # type: ignore[no-untyped-def]
+    with client(srv, headers) as h:
+        r = h.post("/v1/completions", json={"max_tokens": 1, **body})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.parametrize("tenant_wide", [False, True])
+def test_a_group_reads_nothing_another_group_of_its_tenant_sent(tiny_models, tmp_path, tenant_wide) -> None:
+    """Issue Q.2: acme's support and leads keys. What a support request brings (a plain prompt, or
+    documents beside a kb question) is never a cache hit for leads, unless keys.toml opts acme into a
+    tenant-wide cache; a second key of the same group shares it either way."""
+    leads_only = KEYS.replace('demo = ["leads", "support"]', 'demo = ["leads"]')
+    keys = leads_only + ('\n[tenants.acme]\ncache = "tenant"\n' if tenant_wide else "")
+    ctx, _ = _serve(tiny_models, tmp_path, keys)
+    with ctx as url:
+        srv = (url, None)
+        prompt = {"prompt": "A support agent's own prompt, long enough to fill a few blocks of the cache."}
+        cold = {"prompt": "A prompt that nobody has sent before, of the very same length as the others."}
+        assert len(prompt["prompt"]) == len(cold["prompt"])
+        assert _cached(srv, SUPPORT, prompt) == 0 and _cached(srv, SUPPORT, prompt) >= 64
+        assert _cached(srv, ADMIN_SUPPORT, prompt) >= 64  # the same group: shared
+        assert _cached(srv, LEADS, prompt) == (_cached(srv, SUPPORT, prompt) if tenant_wide else 0)
+        assert _cached(srv, NOKB, prompt) == 0  # another tenant: never
+        docs = [{"text": "Internal note: the Q3 discount for Northwind is 18 percent, approved by finance."}]
+        fresh = [{"text": "Internal note: the Q4 discount for Southwind is 12 percent, approved by the CFO."}]
+        assert len(docs[0]["text"]) == len(fresh[0]["text"])
+        _cached(srv, SUPPORT, {"kb": "demo", "prompt": "Discount?", "documents": docs})
+        _cached(srv, LEADS, {"kb": "demo", "prompt": "Discount?"})  # leads' own prefix, built
+        leads_seen = _cached(srv, LEADS, {"kb": "demo", "prompt": "Discount?", "documents": docs})
+        leads_new = _cached(srv, LEADS, {"kb": "demo", "prompt": "Discount?", "documents": fresh})
+        # the documents' cache is support's own: leads computes them as it computes ones nobody sent
+        assert (leads_seen > leads_new) if tenant_wide else (leads_seen == leads_new), (leads_seen, leads_new)
+
+
+def test_keys_toml_tenant_cache_flag_is_checked(tmp_path) -> None:
+    from kvfuse.server.auth import KeysError
+
+    for bad in ('[tenants.acme]\ncache = "global"\n', '[tenants.acme]\nshare = true\n', 'tenants = 3\n'):
+        (tmp_path / "k.toml").write_text(KEYS + bad)
+        with pytest.raises(KeysError, match="tenant"):
+            Keys.load(tmp_path / "k.toml")
+    (tmp_path / "k.toml").write_text(KEYS + '[tenants.acme]\ncache = "tenant"\n[tenants.beta]\ncache = "group"\n')
+    keys = Keys.load(tmp_path / "k.toml")
+    assert keys.lookup(SUPPORT["Authorization"]).tenant_wide and not keys.lookup(BETA["Authorization"]).tenant_wide
 
 
 def test_admins_edit_only_their_groups_and_bad_documents_change_nothing(own_srv) -> None:

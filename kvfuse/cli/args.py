@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfuse.precision import DEFAULT_PRECISION, PRECISIONS
+from kvfuse.precision import PRECISIONS, default_precision
 from kvfuse.runtime import KV_DTYPES
 
 if TYPE_CHECKING:
@@ -36,10 +36,11 @@ def read(path: str, flag: str) -> str:
 def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
                                                  "HF checkpoint dir (default: Gemma 3 270M, converted once)")
-    p.add_argument("--precision", choices=list(PRECISIONS), default=DEFAULT_PRECISION,
-                   help="weights: fp32, bf16 (for CPUs with AMX) or int8 (activations float32), or w8a8 (int8 "
-                        "weights and activation rows) "
-                        f"(default: {DEFAULT_PRECISION}); caches of different precisions never mix")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=default_precision(),
+                   help="weights: fp32, bf16 (bfloat16 products) or int8 (activations float32), or w8a8 (int8 "
+                        "weights and activation rows); the default is the fastest one as faithful as "
+                        f"llama.cpp's Q4_K_M on this CPU (default: {default_precision()}); caches of different "
+                        "precisions never mix")
     p.add_argument("--device", default="cpu",
                    help="where the model computes: cpu (the default), or an accelerator torch has here, such as "
                         "cuda or cuda:1 (fp32 or bf16); the KV store stays in host memory and on disk")

@@ -3,7 +3,8 @@ demo, `compare` and the server all answer through it.
 
 prepare  a question (or a server's own suffix ids) against a group's prefix plan, as an engine request:
          the plan's ids (plus anything the caller places after them, a chat's turns), retrieved passages
-         and request documents fused as chunks, and the salts of the group and tenant. Pure planning:
+         and request documents fused as chunks, and the salts of the group and tenant (everything
+         the request brings is its tenant's and group's own, `Salt.of_owner`). Pure planning:
          nothing is computed, so the server plans on its HTTP threads.
 warm     builds the prefix if some block is missing and precomputes the chunk caches (the server does
          this as a barrier job, never inside a running batch); returns the tokens written.
@@ -85,6 +86,7 @@ class Prepared:
     documents: tuple[str, ...] = ()
     suffix: tuple[int, ...] | None = None
     after_prefix: tuple[int, ...] = ()
+    tenant_wide: bool = False  # the request's own entries are salted per tenant, not per tenant and group
 
     @property
     def sources(self) -> list[Document]:
@@ -95,7 +97,8 @@ class Prepared:
 
 def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
             passages: Sequence[IndexChunk] = (), ratio: Ratio = None, *, suffix: Sequence[int] | None = None,
-            after_prefix: Sequence[int] = (), documents: Sequence[str] = (), mode: str | None = None) -> Prepared:
+            after_prefix: Sequence[int] = (), documents: Sequence[str] = (), mode: str | None = None,
+            tenant_wide: bool = False) -> Prepared:
     """Plan a request on the group's prefix; see the module docstring. Raises KBError on bad input."""
     if suffix is None and not question.strip():
         raise KBError("the question is empty")
@@ -111,12 +114,13 @@ def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = N
     prefix = plan.ids + tuple(after_prefix)
     kb.check_length(plan, len(prefix) - len(plan.ids) + len(suffix_ids) + sum(len(c) for c in chunks))
     salts = plan.salts
-    if tenant:  # everything after the knowledge base is the tenant's own (a chat's turns, say): salt it
-        salts += (SaltSpan(len(plan.ids), OPEN_END, Salt(tenant=tenant)),)
-    req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=Salt.of_tenant(tenant))
+    owner = Salt.of_owner(tenant, group, kb.name, tenant_wide)
+    if owner:  # everything after the knowledge base is the group's own (a chat's turns, say): salt it
+        salts += (SaltSpan(len(plan.ids), OPEN_END, owner),)
+    req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=owner)
     mode = mode or (DEFAULT_MODE if chunks else "prefix")
     return Prepared(plan, req, mode, ratio if chunks else None, question, tuple(passages), tuple(documents),
-                    tuple(suffix) if suffix is not None else None, tuple(after_prefix))
+                    tuple(suffix) if suffix is not None else None, tuple(after_prefix), tenant_wide)
 
 
 def refresh(kb: KnowledgeBase, prep: Prepared) -> Prepared:
@@ -124,7 +128,8 @@ def refresh(kb: KnowledgeBase, prep: Prepared) -> Prepared:
     if kb.plan(prep.plan.group, prep.plan.tenant) is prep.plan:
         return prep
     return prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio,
-                   suffix=prep.suffix, after_prefix=prep.after_prefix, documents=prep.documents, mode=prep.mode)
+                   suffix=prep.suffix, after_prefix=prep.after_prefix, documents=prep.documents, mode=prep.mode,
+                   tenant_wide=prep.tenant_wide)
 
 
 def needs_warming(kb: KnowledgeBase, prep: Prepared) -> bool:
@@ -224,7 +229,8 @@ def with_support(found: list[Citation], sources: Sequence[Document], query: str,
 def _model_quote(kb: KnowledgeBase, prep: Prepared, answer: str) -> QuoteAttempt:
     """The model's quote, asked on the group's prefix and the fused passages (a chat's turns and request
     documents are left out: the quote must come from the knowledge)."""
-    q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio)
+    q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio,
+                tenant_wide=prep.tenant_wide)
     return ask_quote(kb.engine, kb.tok, quote_request(kb.tok, q.request, prep.question, answer), q.mode, q.ratio)
 
 

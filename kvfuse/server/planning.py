@@ -11,7 +11,7 @@ from kvfuse.fuse import DEFAULT_MODE
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
-from kvfuse.request import OPEN_END, ModeUnavailableError, Ratio, Request, RequestError, Salt, SaltSpan
+from kvfuse.request import OPEN_END, ModeUnavailableError, Ratio, Request, RequestError, SaltSpan
 from kvfuse.sampling import SamplingParams
 from kvfuse.server.auth import Principal
 from kvfuse.server.errors import ApiError
@@ -122,12 +122,12 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
     try:
         if kb is not None and group is not None:
             prep = answer.prepare(kb, question, group, principal.tenant, (), opts.ratio, suffix=suffix,
-                                  after_prefix=after, documents=docs, mode=mode)
+                                  after_prefix=after, documents=docs, mode=mode, tenant_wide=principal.tenant_wide)
             req = prep.request
         else:
-            tenant = Salt.of_tenant(principal.tenant)  # everything after BOS is the tenant's own: salt it
-            req = Request(suffix=tuple(suffix), prefix=tuple(head + after), chunks=chunks, chunk_salt=tenant,
-                          salts=(SaltSpan(len(head), OPEN_END, tenant),) if tenant else ())
+            owner = principal.salt()  # everything after BOS is the tenant's and group's own: salt it
+            req = Request(suffix=tuple(suffix), prefix=tuple(head + after), chunks=chunks, chunk_salt=owner,
+                          salts=(SaltSpan(len(head), OPEN_END, owner),) if owner else ())
         eng.validate(req, mode, opts.ratio, max_tokens)
         params = SamplingParams(max_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,
