@@ -9,6 +9,11 @@
 
     python benchmarks/conflicts.py --answers docs/compare-issue-l/compare.json
     python benchmarks/conflicts.py --run
+    python benchmarks/conflicts.py --qualified benchmarks/data/qualified_conflicts.json
+
+3. `--qualified`: questions that name a plan or a billing period (issue Q.3), each with a right and a wrong
+   answer labelled by hand from the Albarán documents: the wrong value is another plan's or period's, so
+   a check that ignores the question's qualifiers finds support or conflict in the wrong case.
 """
 
 from __future__ import annotations
@@ -42,6 +47,15 @@ def computed(model: str | None) -> list[tuple[str, dict[str, Any], str]]:
     return out
 
 
+def qualified(path: Path) -> list[tuple[str, dict[str, Any], str]]:
+    """Each labelled question twice: with its right answer and with its wrong one."""
+    rows = []
+    for q in json.loads(path.read_text()):
+        rows += [("qualified", {**q, "answers": [q["right"]], "label": True}, q["right"]),
+                 ("qualified", {**q, "answers": [q["right"]], "label": False}, q["wrong"])]
+    return rows
+
+
 def conflicts(rows: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
     from kvfuse.eval.metrics import contains_gold
     from kvfuse.kb.conflicts import conflicts_for
@@ -61,7 +75,7 @@ def conflicts(rows: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
         if not quantities(answer):
             continue
         flagged = conflicts_for(Docs, q["group"], q["question"], answer)  # type: ignore[arg-type]
-        right = contains_gold(answer, q["answers"])
+        right = q["label"] if "label" in q else contains_gold(answer, q["answers"])
         t = table.setdefault(method, {"wrong": 0, "wrong_flagged": 0, "right": 0, "right_flagged": 0})
         key = "right" if right else "wrong"
         t[key] += 1
@@ -73,6 +87,8 @@ def conflicts(rows: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
     for t in [*table.values(), total]:
         t["catch_rate"] = round(t["wrong_flagged"] / t["wrong"], 3) if t["wrong"] else None  # type: ignore[assignment]
         t["false_flag_rate"] = round(t["right_flagged"] / t["right"], 3) if t["right"] else None  # type: ignore[assignment]
+        flagged = t["wrong_flagged"] + t["right_flagged"]  # precision: the flags that are on wrong answers
+        t["precision"] = round(t["wrong_flagged"] / flagged, 3) if flagged else None  # type: ignore[assignment]
     return {"by_method": table, "all": total, "examples": examples}
 
 
@@ -96,11 +112,13 @@ def main() -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--answers", type=Path, help="a `kvfuse compare` output (compare.json)")
     src.add_argument("--run", action="store_true", help="answer the 62 questions now (CAG, default model)")
+    src.add_argument("--qualified", type=Path, help="labelled right and wrong answers (qualified_conflicts.json)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
-    rows = recorded(args.answers) if args.answers else computed(args.model)
-    result = {"answers": str(args.answers) if args.answers else "computed (cag)",
+    rows = (recorded(args.answers) if args.answers else qualified(args.qualified) if args.qualified
+            else computed(args.model))
+    result = {"answers": str(args.answers or args.qualified or "computed (cag)"),
               "conflicts": conflicts(rows), "supports": supports_accuracy()}
     text = json.dumps(result, indent=1)
     print(text)

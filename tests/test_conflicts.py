@@ -41,3 +41,34 @@ def test_a_right_answer_stated_by_the_closest_passage_is_not_flagged(docs) -> No
     assert find_conflicts(docs, CharTokenizer(), q, "60 days.") == []  # "read-only for 60 days" is closest
     wrong = find_conflicts(docs, CharTokenizer(), q, "90 days.")
     assert wrong and wrong[0].doc_id == "team-terms" and wrong[0].found == "60 days"
+
+
+def test_a_statement_about_another_period_or_plan_is_not_a_conflict(docs) -> None:  # type: ignore[no-untyped-def]
+    """Issue Q.3: the question's qualifiers (billing period, plan) leave out sentences whose paragraph and
+    title name only other cases; a statement of the question's own case still conflicts."""
+    from kvfuse.kb.conflicts import Qualifiers
+
+    monthly = "How many days does a customer on a monthly Team plan have to get a refund?"
+    assert all("annual" not in c.quote.lower() and "30 days have passed" not in c.quote
+               for c in find_conflicts(docs, CharTokenizer(), monthly, "14 days."))
+    assert find_conflicts(docs, CharTokenizer(), REFUND, "14 days.")[0].found_text == "30 calendar days"
+    q = Qualifiers.of(docs)
+    asked = q.named("What does the Business plan cost on monthly billing?")
+    assert asked == [{"monthly"}, {"business"}]
+    assert q.elsewhere(asked, "Team plan terms. The plan costs €29 per month billed monthly.")  # another plan
+    assert q.elsewhere(asked, "Billing. Annual subscriptions are charged in advance.")  # another period
+    assert not q.elsewhere(asked, "Billing. Monthly and annual subscriptions renew.")  # names the question's too
+    assert not q.elsewhere(asked, "FAQ. Refunds reach your card within 10 business days.")  # names none
+    assert not q.elsewhere(q.named("How many business days until a refund?"), "Team plan terms. Refunds.")
+
+
+def test_ask_prints_a_disputed_answer_as_disputed(docs) -> None:  # type: ignore[no-untyped-def]
+    """Issue Q.3 in the terminal: `kvfuse ask` marks the answer and names the knowledge base's value."""
+    from kvfuse.cli.kb import answer_lines
+
+    found = find_conflicts(docs, CharTokenizer(), REFUND, "14 days.")
+    out = answer_lines("14 days.", found)
+    assert out.splitlines() == ["DISPUTED: 14 days.", "  the knowledge base says 30 calendar days (team-terms), "
+                                                      "not 14 days"]
+    assert answer_lines("30 days.", []) == "30 days."
+    assert answer_lines("14 days.", found, color=True).startswith("\033[1;33mDISPUTED: 14 days.\033[0m")

@@ -113,3 +113,107 @@ def test_the_page_loads_fast_and_offline(browser, site) -> None:  # type: ignore
     page.wait_for_selector("#signin-form")
     assert time.perf_counter() - t0 < 5.0  # generous for a busy CI machine; the benchmark measures it
     assert outside == []  # no CDN, nothing from the network
+
+
+def _answer_with(page, final: dict, text: str = "14 days.") -> None:  # type: ignore[no-untyped-def]
+    """Serve the next streamed completion from `final` (the server's last kvfuse event), so the page's
+    rendering of a given verdict is tested on its own; the server's checks have tests of their own."""
+    import json
+
+    chunks = [{"choices": [{"index": 0, "text": text, "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "kvfuse": final}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/completions", lambda route: route.fulfill(status=200, body=body,
+                                                                 headers={"Content-Type": "text/event-stream"}))
+
+
+FINAL = {"ttft_s": 0.1, "client_ttft_s": 0.12, "cached_token_share": 0.9, "cost_units": {"total": 10.0}}
+
+
+def test_a_disputed_answer_looks_disputed(browser, site) -> None:  # type: ignore[no-untyped-def]
+    """Issue Q.3: with a conflict the answer itself is marked (its own colour and words) and the knowledge
+    base's value stands beside it; a verified quote that does not support the answer gets no green badge,
+    and one that does keeps it."""
+    url, state = site
+    plans = state.kbs["demo"].manifest.document("plans").text
+    start = plans.index("30 days")
+    conflict = {"doc_id": "plans", "quote": plans.strip(), "start": 0, "end": len(plans.strip()),
+                "stated": "14 days", "found": "30 days", "found_text": "30 days"}
+    cite = {"doc_id": "faq", "quote": "As a rule, refunds within 14 days.", "verified": True, "start": 0,
+            "end": 34, "state": "verified", "supports": False}
+    page = browser.new_page()
+    _sign_in(page, url, _key(SUPPORT))
+    _answer_with(page, {**FINAL, "citations": [cite], "conflicts": [conflict]})
+    page.fill("#question", "Refund days?")
+    page.click("#ask")
+    page.wait_for_selector(".turn .meta:has-text('TTFT')")
+    answer = page.locator(".turn .answer")
+    assert "disputed" in (answer.get_attribute("class") or "")
+    style = answer.evaluate("e => [getComputedStyle(e).backgroundColor, getComputedStyle(e, '::before').content]")
+    assert style[0] not in ("rgba(0, 0, 0, 0)", "transparent") and "Disputed" in style[1]
+    dispute = page.inner_text(".turn .dispute")
+    assert "The knowledge base says 30 days (plans), not 14 days" in dispute
+    assert page.locator(".turn .cite .badge.ok").count() == 0  # exists, but does not support: never green
+    assert "does not support" in page.inner_text(".turn .cite")
+    page.click(".turn .dispute a")
+    page.wait_for_selector("#viewer:not([hidden]) mark.other")
+    assert "30 days" in page.inner_text("#viewer mark") and start >= 0
+    page.click("#viewer-close")
+    # an undisputed answer with a supporting quote: plain answer, green badges
+    page.unroute("**/v1/completions")
+    _answer_with(page, {**FINAL, "citations": [{**cite, "supports": True}], "conflicts": []}, "Within 14 days.")
+    page.fill("#question", "And the rule?")
+    page.click("#ask")
+    page.wait_for_function("document.querySelectorAll('.turn .meta').length == 2 && document.querySelectorAll("
+                           "'.turn')[1].querySelector('.meta').textContent.includes('TTFT')")
+    second = page.locator(".turn").nth(1)
+    assert "disputed" not in (second.locator(".answer").get_attribute("class") or "")
+    assert second.locator(".dispute").count() == 0 and second.locator(".cite .badge.ok").count() == 2
+
+
+def test_the_viewer_keeps_its_header_in_view(browser, site) -> None:  # type: ignore[no-untyped-def]
+    """Issue Q.4: opening a long document at a passage near its end scrolls the text to the passage and
+    leaves the title and the close button where they are."""
+    import json
+
+    url, _ = site
+    text = "".join(f"Clause {i}: nothing of interest here.\n" for i in range(300)) + "The passage.\n"
+    start = text.index("The passage.")
+    doc = {"id": "long", "title": "A long policy", "text": text, "stability": 1, "groups": ["support"]}
+    page = browser.new_page(viewport={"width": 1200, "height": 700})
+    _sign_in(page, url, _key(SUPPORT))
+    page.route("**/v1/kb/demo/documents/long", lambda route: route.fulfill(status=200, body=json.dumps(doc),
+                                                                          content_type="application/json"))
+    cite = {"doc_id": "long", "quote": "The passage.", "verified": True, "start": start, "end": start + 12,
+            "state": "verified", "supports": True}
+    _answer_with(page, {**FINAL, "citations": [cite], "conflicts": []})
+    page.fill("#question", "Where?")
+    page.click("#ask")
+    page.wait_for_selector(".turn .meta:has-text('TTFT')")
+    page.click(".turn .cite a")
+    page.wait_for_selector("#viewer:not([hidden]) mark")
+    page.wait_for_timeout(200)
+    for part in ("#viewer-title", "#viewer-close", "#viewer mark"):
+        box = page.locator(part).bounding_box()
+        assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= 700, (part, box)
+    assert page.inner_text("#viewer-title") == "A long policy [long]"
+    page.click("#viewer-close")
+    assert page.is_hidden("#viewer")
+
+
+def test_tabs_only_where_there_is_a_choice_and_no_missing_favicon(browser, site) -> None:  # type: ignore[no-untyped-def]
+    """Issue Q.4: a support key sees the Ask button and no tab beside it; an admin sees tabs that are not
+    filled like a button; nothing the page loads is a 404, the favicon included."""
+    url, _ = site
+    page = browser.new_page()
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    _sign_in(page, url, _key(SUPPORT))
+    assert page.is_hidden("#tabs") and page.locator("button:visible", has_text="Ask").count() == 1
+    page.goto(url + "/favicon.ico")
+    assert failed == []
+    page = browser.new_page()
+    _sign_in(page, url, _key(LEADS))
+    assert page.is_visible("#tabs") and page.is_visible(".tab[data-tab=docs]")
+    bg = page.locator(".tab.active").evaluate("e => getComputedStyle(e).backgroundColor")
+    assert bg == "rgba(0, 0, 0, 0)" and page.inner_text(".tab.active") != page.inner_text("#ask")

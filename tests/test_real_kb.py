@@ -32,7 +32,8 @@ def test_build_ask_and_reload_in_a_second_process(real_store, capsys) -> None:
     if "14 days" in a["answer"]:  # the seed's failure: Team terms' 30 calendar days must be flagged
         assert any(x["doc_id"] == "team-terms" and "30 calendar days" in x["quote"] for x in a["conflicts"])
     for x in a["conflicts"]:
-        assert set(x) == {"doc_id", "quote", "start", "end", "stated", "found"}
+        assert set(x) == {"doc_id", "quote", "start", "end", "stated", "found", "found_text"}
+        assert x["found_text"] in x["quote"]
     for c in a["citations"]:
         assert set(c) >= {"doc_id", "quote", "verified", "start", "end", "state", "supports"}
         assert isinstance(c["supports"], bool) and (c["doc_id"] is not None or not c["supports"])

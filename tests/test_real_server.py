@@ -85,8 +85,11 @@ def test_the_page_on_the_real_model_flags_the_demo_conflict(server) -> None:
         follow_up = page.locator(".turn").nth(1).locator(".meta").inner_text()
         assert float(follow_up.split("cached ")[1].split("%")[0]) > 90
         page.screenshot(path=str(shots / "ask.png"), full_page=True)
-        if "14 days" in answer:  # the seed's failure: it must be flagged
-            conflict = page.locator(".turn").first.locator(".conflict")
+        if "14 days" in answer:  # the seed's failure: it must be flagged, and the answer look disputed
+            first = page.locator(".turn").first
+            assert "disputed" in (first.locator(".answer").get_attribute("class") or "")
+            assert "The knowledge base says 30 calendar days (team-terms)" in first.locator(".dispute").inner_text()
+            conflict = first.locator(".conflict")
             assert conflict.count() >= 1 and "team-terms" in conflict.first.inner_text()
             assert "30 calendar days" in conflict.first.inner_text()
             conflict.first.locator("a").click()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -208,7 +210,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(answer.as_dict()))
         return 0
-    print(answer.answer)
+    print(answer_lines(answer.answer, answer.conflicts, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
     for c in answer.citations:
         print(f"  {citation_line(c)}")
     for x in answer.conflicts:
@@ -218,6 +220,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
     print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
           f"cost {answer.cost_units['total']:.0f} units", file=sys.stderr)
     return 0
+
+
+def answer_lines(text: str, conflicts: Sequence[Any], color: bool = False) -> str:
+    """The answer as a person should read it: marked as disputed, with the knowledge base's value beside
+    it, when a passage states another value (in colour on a terminal)."""
+    if not conflicts:
+        return text
+    says = "; ".join(f"{x.found_text or x.found} ({x.doc_id}), not {x.stated}" for x in conflicts)
+    head = f"DISPUTED: {text}"
+    return (f"\033[1;33m{head}\033[0m" if color else head) + f"\n  the knowledge base says {says}"
 
 
 def citation_line(c: Any) -> str:

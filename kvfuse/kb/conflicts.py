@@ -12,8 +12,14 @@ disagrees with the answer. The best `PER_QUANTITY` are returned for each quantit
 the question than the FAQ's general "14 days"; "60 days" for how long a closed Team workspace stays
 readable is not flagged by the nearby "30 days", because its own "read-only for 60 days" is closer.
 
+A sentence about another case than the question's is left out (`Qualifiers`): where the question names
+a billing period (monthly, annual) or a plan (the "X plan" of the documents' titles), a sentence whose
+paragraph and document title name only other periods or plans says nothing about the question. So a
+question about a monthly Team plan is not flagged by "Annual subscriptions have 30 calendar days", nor
+a Business question by the Team terms (issue Q.3; docs/benchmarks.md).
+
 It is a flag for the reader, not a verdict: the passage may be about something else that is counted in
-the same unit (measured on the 62 Albarán questions in docs/benchmarks.md, issue J).
+the same unit (measured on the 62 Albarán questions in docs/benchmarks.md, issues J and Q).
 """
 
 from __future__ import annotations
@@ -47,9 +53,37 @@ class Conflict:
     end: int
     stated: str  # the answer's quantity it contradicts ("14 days")
     found: str  # the passage's ("30 days")
+    found_text: str = ""  # the passage's own words for it ("30 calendar days"): what "the kb says"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+# billing periods, each spelled as policies spell it ("per calendar month" counts, it is no period)
+PERIODS = {"monthly": r"\bmonth(?:ly|-to-month)\b", "annual": r"\b(?:annual(?:ly)?|yearly|per year)\b"}
+
+
+@dataclass(frozen=True, slots=True)
+class Qualifiers:
+    """The classes of mutually exclusive cases a statement can be about: the billing period, and the
+    plans the knowledge base's titles name ("Team plan terms" -> Team)."""
+
+    classes: tuple[dict[str, re.Pattern[str]], ...]
+
+    @classmethod
+    def of(cls, docs: Sequence[Document]) -> Qualifiers:
+        plans = sorted({m.group(1) for d in docs for m in re.finditer(r"\b([A-Z][a-z]+) plan\b", d.title)})
+        # a plan by its capitalised name ("business days" is no plan), or lower-case before "plan"
+        plan = {n.lower(): re.compile(rf"\b{n}\b|\b{n.lower()} plan\b") for n in plans}
+        return cls(({k: re.compile(v, re.I) for k, v in PERIODS.items()}, plan))
+
+    def named(self, text: str) -> list[set[str]]:
+        """Per class, the cases text names."""
+        return [{k for k, rx in c.items() if rx.search(text)} for c in self.classes]
+
+    def elsewhere(self, question: list[set[str]], statement: str) -> bool:
+        """The statement names cases of a class that the question names, and none of the question's."""
+        return any(q and here and not q & here for q, here in zip(question, self.named(statement), strict=True))
 
 
 def _sentences(text: str) -> list[tuple[int, int]]:
@@ -88,6 +122,8 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
         return []
     index = kb_index(docs, tok)
     by_id = {d.id: d for d in docs}
+    qualifiers = Qualifiers.of(docs)
+    asked = qualifiers.named(question)
     # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, agrees)
     found: list[tuple[Quantity, Document, int, int, Quantity, bool]] = []
     seen: set[tuple[str, int, int]] = set()
@@ -97,6 +133,9 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
             if e <= hit.chunk.start or s >= hit.chunk.end or (doc.id, s, e) in seen:
                 continue
             seen.add((doc.id, s, e))
+            paragraph = doc.text[doc.text.rfind("\n", 0, s) + 1 : (doc.text.find("\n", e) + 1 or len(doc.text) + 1) - 1]
+            if qualifiers.elsewhere(asked, f"{doc.title}. {paragraph}"):
+                continue  # about another period or plan than the question's (a paragraph keeps its case)
             stated_here = quantities(doc.text[s:e])
             for q in stated:
                 same_unit = [f for f in stated_here if f.unit == q.unit]
@@ -114,7 +153,7 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
         best_agreeing = max((float(sims[i]) for i in mine if found[i][5]), default=-1.0)
         for i in [i for i in mine if not found[i][5] and float(sims[i]) > best_agreeing][:PER_QUANTITY]:
             _, d, s, e, f, _ = found[i]
-            out.append(Conflict(d.id, d.text[s:e], s, e, str(q), str(f)))
+            out.append(Conflict(d.id, d.text[s:e], s, e, str(q), str(f), d.text[s:e][f.start : f.end]))
     return out
 
 

@@ -26,6 +26,11 @@ def router(state: ServerState) -> APIRouter:
     async def page() -> Response:
         return FileResponse(_asset("index.html"), media_type="text/html", headers={"Cache-Control": "no-cache"})
 
+    @r.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return FileResponse(_asset("favicon.ico"), media_type="image/x-icon",
+                            headers={"Cache-Control": "public, max-age=86400"})
+
     @r.get("/ui/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
         if name not in ASSETS:

@@ -73,7 +73,9 @@ async function signIn(key) {
   const kbs = Object.keys(state.me.kbs);
   $("kb").replaceChildren(...kbs.map((k) => el("option", { value: k }, k)));
   fillGroups();
-  for (const t of document.querySelectorAll(".tab.admin")) t.hidden = !state.me.admin;
+  // one tab alone is no choice: only an admin, who also has Documents and Usage, sees the tabs
+  $("tabs").hidden = !state.me.admin;
+  showTab("ask");
   if (!kbs.length) showError(new Error("This key may read no knowledge base."));
 }
 
@@ -175,10 +177,13 @@ const STATES = {
 };
 
 function renderChecks(turn, k) {
+  renderDispute(turn, k.conflicts || []);
   for (const c of k.citations || []) {
-    const [kind, label] = STATES[c.state] || ["warn", c.state];
+    // green only for a verified quote that supports the answer; one that exists but does not is plain
+    const [kind, label] = c.state === "verified" && !c.supports ? ["plain", "quote found in the sources"]
+      : STATES[c.state] || ["warn", c.state];
     const verdict = c.doc_id ? (c.supports ? el("span", { class: "badge ok" }, "supports the answer")
-      : el("span", { class: "badge warn" }, c.verified ? "exists, does not support the answer" : "does not support the answer"))
+      : el("span", { class: "badge warn" }, "does not support the answer"))
       : null;
     const quote = c.doc_id && c.start !== null
       ? el("a", { on: { click: () => openDoc(c.doc_id, c.start, c.end, "") } }, `“${c.quote}”`) : `“${c.quote}”`;
@@ -192,14 +197,28 @@ function renderChecks(turn, k) {
   }
 }
 
+// A conflict disputes the answer itself: it is marked, and the knowledge base's value stands beside it.
+function renderDispute(turn, conflicts) {
+  if (!conflicts.length) return;
+  const answer = turn.querySelector(".answer");
+  answer.classList.add("disputed");
+  turn.classList.add("disputed");
+  const says = conflicts.map((x, i) => [i ? "; " : "", `${x.found_text || x.found} (`,
+    el("a", { on: { click: () => openDoc(x.doc_id, x.start, x.end, "other") } }, x.doc_id), `), not ${x.stated}`]);
+  answer.after(el("div", { class: "dispute", role: "note" }, "The knowledge base says ", ...says.flat(),
+                  ". Check the source before you answer."));
+}
+
 async function openDoc(id, start, end, cls) {
   try {
     const d = await (await api(`/v1/kb/${encodeURIComponent($("kb").value)}/documents/${encodeURIComponent(id)}`)).json();
     $("viewer-title").textContent = `${d.title} [${d.id}]`;
     const mark = el("mark", { class: cls }, d.text.slice(start, end));
-    $("viewer-text").replaceChildren(d.text.slice(0, start), mark, d.text.slice(end));
+    const text = $("viewer-text");
+    text.replaceChildren(d.text.slice(0, start), mark, d.text.slice(end));
     $("viewer").hidden = false;
-    mark.scrollIntoView({ block: "center" });
+    // scroll the text alone (scrollIntoView would scroll the viewer's header away too)
+    text.scrollTop = Math.max(0, mark.offsetTop - text.offsetTop - text.clientHeight / 2);
   } catch (e) { showError(e); }
 }
 
