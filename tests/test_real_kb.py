@@ -12,6 +12,18 @@ pytestmark = pytest.mark.slow
 QUESTION = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
 
 
+def _kb_docs():  # type: ignore[no-untyped-def]
+    """What `conflicts_for` reads of the bundled knowledge base (its manifest and a tokenizer)."""
+    from types import SimpleNamespace
+
+    from kvfuse.kb.manifest import load_manifest
+    from kvfuse.runtime import bundled
+    from kvfuse.text.tokenizer import Tokenizer
+    from kvfuse.weights import resolve_model_path
+
+    return SimpleNamespace(manifest=load_manifest(bundled("albaran")), tok=Tokenizer(resolve_model_path(None)))
+
+
 def _run(capsys, *argv: str) -> dict:  # type: ignore[no-untyped-def]
     assert main(list(argv)) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -28,7 +40,11 @@ def test_build_ask_and_reload_in_a_second_process(real_store, capsys) -> None:
     assert a["tokens"]["cached"] == built["tokens_total"] // 16 * 16 and a["cached_token_share"] > 0.99
     assert set(a["cost_units"]) == {"write", "read", "uncached", "total"} and a["cost_units"]["write"] == 0
     assert a["finish_reason"] in ("stop", "length") and a["answer"]  # the answer is never cut to nothing
-    assert isinstance(a["conflicts"], list)
+    from kvfuse.kb.conflicts import conflicts_for
+
+    # the conflicts are exactly what the check finds for this answer (none when it states no quantity)
+    assert [tuple(x.values()) for x in a["conflicts"]] == [
+        tuple(c.as_dict().values()) for c in conflicts_for(_kb_docs(), "support", QUESTION, a["answer"])]
     if "14 days" in a["answer"]:  # the seed's failure: Team terms' 30 calendar days must be flagged
         assert any(x["doc_id"] == "team-terms" and "30 calendar days" in x["quote"] for x in a["conflicts"])
     for x in a["conflicts"]:
@@ -83,8 +99,11 @@ def test_compare_on_two_questions(real_store, tmp_path, capsys) -> None:
             for c in rec["citations"]:
                 if c["state"] in ("verified", "retrieved") and retrieved:
                     assert c["doc_id"] in retrieved  # a RAG answer is cited from its own chunks
-    for m in res["methods"].values():
-        assert set(m["citations"]) == states and m["empty_answers"] >= 0
+    for name, m in res["methods"].items():  # the summary counts what the per-question records hold
+        recs = [row["methods"][name] for row in saved["per_question"]]
+        assert m["citations"] == {st: sum(c["state"] == st for r in recs for c in r["citations"]) for st in states}
+        assert m["empty_answers"] == sum(not r["answer"] for r in recs) and m["n"] == len(recs) == 2
+        assert m["truncated"] == sum(r["finish_reason"] == "length" for r in recs)
 
 
 def test_the_demo_prints_the_checks_and_how_to_open_the_page(real_store, capsys) -> None:

@@ -168,8 +168,10 @@ def test_knowledge_base_extension_and_groups(srv) -> None:
         r = h.post("/v1/chat/completions", json=body).json()
         again = h.post("/v1/chat/completions", json=body).json()
         forbidden = h.post("/v1/chat/completions", json={**body, "kvfuse": {"group": "leads"}})
-    assert r["kvfuse"]["group"] == "support" and isinstance(r["kvfuse"]["citations"], list)
     support = kb.plan("support", "acme")
+    readable = {d.id for d in kb.manifest.readable("support")}  # citations never name a leads-only document
+    assert r["kvfuse"]["group"] == "support" and "margins" not in readable
+    assert all(c["doc_id"] in readable or c["doc_id"] is None for c in r["kvfuse"]["citations"])
     assert r["usage"]["prompt_tokens"] > len(support.ids) and "margins" not in {s.name for s in support.segments}
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(support.ids) // 16 * 16
     assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
