@@ -15,7 +15,9 @@ ignored), 2 threads each, interleaved one of each per round; medians of the per-
   against llama.cpp's full prefill of the same prompt.
 - **ms per token** at the CAG prompt's context (about 10k tokens): (answer time - TTFT) / (tokens - 1).
 kvfuse runs with drafts from the context (its default) and without (`nodraft`); acceptance rates are
-the drafted tokens kept. Peak RSS is this process's (llama.cpp runs in a worker process of its own).
+the drafted tokens kept. `--temperature T` makes kvfuse sample (seed 1, the same each round) where
+drafts are verified by the rejection rule (llama.cpp stays greedy: compare kvfuse's two rows there).
+Peak RSS is this process's (llama.cpp runs in a worker process of its own).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--skip-rag", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="kvfuse samples at this temperature (seeded, same seed each round) instead of greedy; "
+                         "llama.cpp stays greedy, so only kvfuse's drafted/undrafted times compare")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw times here (JSON)")
     args = ap.parse_args()
 
@@ -114,7 +119,7 @@ def main() -> None:
     kb.build("support")
     question = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
     cag = answer.prepare(kb, question, "support").request
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=1)
     reply = tok.decode(engine.generate(cag, "prefix", params=SamplingParams(max_tokens=args.tokens)).tokens).strip()
     quote = answer.quote_request(tok, cag, question, reply.split("\n")[0])
     rag = musique_prompt(musique_cases()[0], 6).request(tok)
@@ -174,7 +179,8 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"\n{cpu}; torch {torch.__version__}, llama-cpp-python {LLAMA_CPP_VERSION}, 2 threads; precision "
-          f"{args.precision}; {args.tokens} tokens; {args.rounds} interleaved rounds; CAG prompt {len(ids(cag))} "
+          f"{args.precision}; {args.tokens} tokens; temperature {args.temperature}; {args.rounds} interleaved rounds; "
+          f"CAG prompt {len(ids(cag))} "
           f"tokens, quote {len(ids(quote))}, RAG {len(ids(rag))}; peak RSS {peak:.0f} MiB")
     print("\n| scenario | kvfuse (s) | llama.cpp (s) | kvfuse / llama.cpp | ms/token kvfuse | ms/token llama.cpp "
           "| step ratio | draft acceptance | same tokens as llama.cpp |")

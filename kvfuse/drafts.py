@@ -4,9 +4,9 @@ of the request's own prompt and of what it has generated so far. Token ids only.
 An answer over a knowledge base or retrieved passages copies spans of them (names, amounts, whole
 quotes). When the last n tokens generated (n = 3, then 2, then 1) occurred before, the tokens that
 followed their latest earlier occurrence are proposed as a draft; the engine verifies a draft in one
-multi-row step (`decode.step_rows`) and keeps the longest prefix that greedy decoding would have
-chosen anyway, plus the token that step chose after it. A draft costs rows in that step, never a
-different answer.
+multi-row step (`decode.step_rows`) and keeps the longest prefix that decoding would have chosen
+anyway (greedy, or sampled by the rejection rule: `Scheduler._verify`), plus the token that step chose
+after it. A draft costs rows in that step, never a different answer.
 
 `DraftLength` sizes the next draft from how the last one did (after HF's prompt-lookup heuristic: two
 more after a draft taken whole, one fewer after a rejected one), so a request whose answer copies

@@ -28,6 +28,9 @@ from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 log = logging.getLogger(__name__)
 
 MAX_DECODE_BATCH = 8  # the most rows one decoding step may carry (fewer if the check says so)
+# whether requests whose rows are not screened (sampled ones, greedy ones with adjusted logits, every one
+# on int8, w8a8 or an accelerator) draft too (see `Scheduler.drafts_pay`)
+DRAFTS_UNSCREENED = True
 
 
 def greedy(params: SamplingParams) -> bool:
@@ -74,16 +77,17 @@ class Scheduler:
             return head.argmax(self.model.norm(pre.fused.hidden[None])[0])
         return sample(pre.fused.logits, params, gen)
 
-    def drafts_pay(self) -> bool:
-        """Whether drafts can pay here: only where greedy rows are screened (`greedy_head`), whose cost
-        hardly grows with rows. A head read whole for every row (int8's, w8a8's, an accelerator's) costs
-        each draft row a full head: measured on int8, drafts made a cached-prefix answer 1.2x slower
-        (docs/benchmarks.md, issue M)."""
-        return self.greedy_screen and self._screen()
+    def drafts_pay(self, params: SamplingParams) -> bool:
+        """Whether drafts can pay for this request here. A screened greedy request's rows cost hardly more
+        than one (`greedy_head`); any other request computes the head's logits for a draft row only once
+        every draft token before it was accepted (`_step`), so a rejected row costs its share of the
+        layers and no head. `DRAFTS_UNSCREENED` says whether that pays (docs/benchmarks.md, issue M)."""
+        screened = greedy(params) and self.greedy_screen and self._screen()
+        return screened or DRAFTS_UNSCREENED
 
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
-        """Let a greedy request (no recorded logits) draft from its prompt and its own tokens."""
-        if self.draft_tokens > 0 and greedy(d.params) and d.steps is None and self.drafts_pay():
+        """Let a request without recorded logits draft from its prompt and its own tokens."""
+        if self.draft_tokens > 0 and d.steps is None and self.drafts_pay(d.params):
             d.context = Context(prompt, d.params.max_tokens)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
@@ -120,15 +124,34 @@ class Scheduler:
             chosen = dict(zip(picked, head.argmax_rows(self.model.norm(h[picked])), strict=True))
         for j, d in enumerate(live):
             try:
-                for r in spans[j]:
-                    if r not in chosen:
-                        logits = self.model.logits(h[r : r + 1])[0]
-                        if d.steps is not None:
-                            d.steps.append(logits)
-                        chosen[r] = sample(logits, d.params, d.gen, d.tokens)
-                d.take_verified([chosen[r] for r in spans[j]], drafts[j])
+                d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen), drafts[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
+
+    def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int],
+                chosen: dict[int, int]) -> list[int]:
+        """The tokens the rows choose, up to the first that differs from the draft. A row that was not
+        screened is sampled exactly as a one-token step samples it (its own logits, the tokens before
+        it, one draw of the request's generator), and only once every draft token before it was taken.
+
+        For a sampled request this is the standard rejection rule for a draft from the context: the
+        draft proposes each token with certainty (q = 1 at x), so x is accepted with probability
+        min(1, p(x) / q(x)) = p(x), and a rejection draws from p without x, renormalised, which is
+        exactly drawing from p and comparing. Drawn this way, one draw per token taken, a seeded request
+        gets the very tokens it gets without drafts."""
+        toks: list[int] = []
+        for i, r in enumerate(rows):
+            if r in chosen:
+                tok = chosen[r]
+            else:
+                logits = self.model.logits(h[r : r + 1])[0]
+                if d.steps is not None:
+                    d.steps.append(logits)
+                tok = sample(logits, d.params, d.gen, [*d.tokens, *toks])
+            toks.append(tok)
+            if i >= len(draft) or tok != draft[i]:
+                break
+        return toks
 
 
 def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:

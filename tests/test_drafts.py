@@ -97,13 +97,34 @@ def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precisio
     monkeypatch.setattr(e, "draft_tokens", 6)
     drafted = [e.generate(r, "blend", 0.5, greedy) for r in reqs]
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
-    # drafts only where greedy rows are screened (fp32's and bf16's float head): an int8 head is read
-    # whole for every row, so there a draft row costs a whole head
-    assert e.scheduler.drafts_pay() == (precision in ("fp32", "bf16"))
-    if e.decode_batch_limit() >= 2 and e.scheduler.drafts_pay():
+    # screened (fp32's and bf16's float head) or not (int8's head, read per row once the rows before it
+    # were accepted), greedy requests draft
+    assert e.scheduler.drafts_pay(greedy)
+    if e.decode_batch_limit() >= 2:
         assert sum(g.drafts.accepted for g in drafted) > 0  # drafts were taken, not only proposed
-    if not e.scheduler.drafts_pay():
-        assert all(g.drafts.drafted == 0 for g in drafted)
-    # recorded logits and sampling never draft
+    # recorded logits never draft
     rec = e.generate(reqs[0], "blend", 0.5, greedy, record_logits=True)
     assert rec.tokens == plain[0].tokens and rec.drafts.drafted == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_seeded_sampling_with_drafts_gets_the_tokens_it_gets_without(engine_at, family: str, precision: str,
+                                                                     monkeypatch) -> None:
+    """The rejection rule for a draft from the context (accept x with probability p(x), else draw from p
+    without x) drawn as one draw from p per token taken: a seeded sampled request, with penalties and a
+    bias too, gets exactly the tokens it gets without drafts, and drafts are accepted."""
+    e: Engine = engine_at(family, precision)
+    reqs = [Request(prefix=(1,) + rand_ids(5, s) * 3, chunks=(), suffix=rand_ids(4, s)) for s in range(3)]
+    params = [SamplingParams(max_tokens=16, temperature=0.05, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.05, seed=5, ignore_eos=True, frequency_penalty=0.5,
+                             logit_bias=((7, 2.0),)),
+              SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=0.4)]  # greedy, adjusted
+    monkeypatch.setattr(e, "draft_tokens", 0)
+    plain = [[e.generate(r, "prefix", params=p).tokens for p in params] for r in reqs]
+    monkeypatch.setattr(e, "draft_tokens", 6)
+    drafted = [[e.generate(r, "prefix", params=p) for p in params] for r in reqs]
+    assert [[g.tokens for g in row] for row in drafted] == plain
+    if e.decode_batch_limit() >= 2:
+        assert sum(g.drafts.accepted for row in drafted for g in row) > 0
