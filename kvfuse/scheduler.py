@@ -28,9 +28,6 @@ from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 log = logging.getLogger(__name__)
 
 MAX_DECODE_BATCH = 8  # the most rows one decoding step may carry (fewer if the check says so)
-# whether requests whose rows are not screened (sampled ones, greedy ones with adjusted logits, every one
-# on int8, w8a8 or an accelerator) draft too (see `Scheduler.drafts_pay`)
-DRAFTS_UNSCREENED = True
 
 
 def greedy(params: SamplingParams) -> bool:
@@ -77,17 +74,18 @@ class Scheduler:
             return head.argmax(self.model.norm(pre.fused.hidden[None])[0])
         return sample(pre.fused.logits, params, gen)
 
-    def drafts_pay(self, params: SamplingParams) -> bool:
-        """Whether drafts can pay for this request here. A screened greedy request's rows cost hardly more
-        than one (`greedy_head`); any other request computes the head's logits for a draft row only once
-        every draft token before it was accepted (`_step`), so a rejected row costs its share of the
-        layers and no head. `DRAFTS_UNSCREENED` says whether that pays (docs/benchmarks.md, issue M)."""
-        screened = greedy(params) and self.greedy_screen and self._screen()
-        return screened or DRAFTS_UNSCREENED
+    def drafts_pay(self) -> bool:
+        """Whether drafts pay here: where the layers are float32 or bfloat16 on the CPU (`screen`), a
+        step's extra rows cost little (their products read the same weights), and a greedy row's token
+        comes from the screen, all rows at once. Any other row (sampled, or greedy with adjusted logits)
+        computes the float head's logits only once every draft token before it was taken (`_verify`).
+        Elsewhere extra rows are dear: int8's weight-only products are compute-bound, and drafts made its
+        quote 1.19x slower (docs/benchmarks.md, issue M)."""
+        return self._screen()
 
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
         """Let a request without recorded logits draft from its prompt and its own tokens."""
-        if self.draft_tokens > 0 and d.steps is None and self.drafts_pay(d.params):
+        if self.draft_tokens > 0 and d.steps is None and self.drafts_pay():
             d.context = Context(prompt, d.params.max_tokens)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
