@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.control.policy import Decision
 from kvfuse.drafts import Context, DraftLength, DraftStats
 from kvfuse.fuse import Fused
 from kvfuse.kv import KVCache
 from kvfuse.lmhead import GreedyHead
 from kvfuse.model import Decoder, RowPlan
+from kvfuse.policy import Decision
 from kvfuse.request import Generation, TokenCounts
 from kvfuse.sampling import SamplingParams
 from kvfuse.store.tiered import StoreStats

@@ -22,13 +22,13 @@ import torch
 
 from kvfuse import fuse
 from kvfuse.cache import CacheManager
-from kvfuse.control.policy import Controller, Decision
 from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, step_hidden
 from kvfuse.drafts import DRAFT_TOKENS
 from kvfuse.fuse import FuseContext, FuseLayout, Fuser
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerSource
 from kvfuse.model import Decoder
+from kvfuse.policy import Controller, Decision
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
 from kvfuse.sampling import SamplingParams

@@ -22,7 +22,7 @@ from kvfuse.store.keys import SaltRange
 from kvfuse.store.tiered import StoreStats
 
 if TYPE_CHECKING:
-    from kvfuse.control.policy import Decision
+    from kvfuse.policy import Decision
 
 Ratio = float | str | None  # a number in [0, 1], "auto" (the controller decides) or None (the default)
 OPEN_END = 1 << 62  # a salt span that runs to the end of the request, however long it grows
@@ -107,6 +107,18 @@ class Request:
 
     def __len__(self) -> int:
         return len(self.prefix) + self.chunk_tokens + len(self.suffix)
+
+
+def owned_request(head: Sequence[int], suffix: Sequence[int], *, after: Sequence[int] = (),
+                  chunks: Sequence[Sequence[int]] = (), owner: Salt | None = None,
+                  head_salts: Sequence[SaltSpan] = ()) -> Request:
+    """The one way a request is put together from token ids, with a knowledge base or without: a head
+    (BOS, or a knowledge base's prefix with its own salts), what the request brings after it (a chat's
+    earlier turns, then its documents as chunks, then the suffix), and the request's owner's salt over
+    everything it brought (`Salt.of_owner`)."""
+    salts = tuple(head_salts) + ((SaltSpan(len(head), OPEN_END, owner),) if owner else ())
+    return Request(suffix=tuple(suffix), prefix=tuple(head) + tuple(after), chunks=tuple(tuple(c) for c in chunks),
+                   salts=salts, chunk_salt=owner)
 
 
 @dataclass(slots=True)

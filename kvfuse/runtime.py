@@ -62,8 +62,8 @@ def attach_controller(engine: Engine, store: Path | None, measure: bool = True, 
     """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
     requests always get one, so their results say what the controller predicted), with the model's
     calibrated floors where `kvfuse calibrate` measured them."""
-    from kvfuse.control.policy import Controller
-    from kvfuse.control.profile import load_calibration, load_or_profile, profile_path
+    from kvfuse.policy import Controller
+    from kvfuse.profile import load_calibration, load_or_profile, profile_path
     from kvfuse.weights import cache_dir
 
     if not measure and not profile_path(cache_dir(), engine.fingerprint, engine.model.device).is_file():

@@ -2,8 +2,8 @@ import pytest
 from conftest import rand_ids
 
 from kvfuse import fuse
-from kvfuse.control.policy import Controller, Profile, TierProfile
 from kvfuse.engine import Engine, Request, RequestError
+from kvfuse.policy import Controller, Profile, TierProfile
 from kvfuse.weights import load_model
 
 GB = 1e9
@@ -75,7 +75,7 @@ def test_engine_ratio_auto(tiny_models) -> None:
 
 
 def test_a_calibrated_floor_is_the_smallest_ratio_that_reaches_the_target() -> None:
-    from kvfuse.control.policy import Calibration, CurvePoint
+    from kvfuse.policy import Calibration, CurvePoint
 
     pts = (CurvePoint(0.05, 0.09, 0.6, 0.1), CurvePoint(0.15, 0.04, 0.8, 0.2), CurvePoint(0.3, 0.015, 0.9, 0.35),
            CurvePoint(0.5, 0.01, 1.0, 0.55))
@@ -111,9 +111,9 @@ def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_pat
     stores is what ratio 'auto' then keeps above, and the answer reports it."""
     from chartok import CharTokenizer
 
-    from kvfuse.control.profile import load_calibration, save_calibration
     from kvfuse.eval.calibrate import calibrate
     from kvfuse.eval.data import cases_from
+    from kvfuse.profile import load_calibration, save_calibration
 
     root, _ = tiny_models["llama"]
     lm = load_model(root)

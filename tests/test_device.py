@@ -101,7 +101,7 @@ def test_the_cli_names_a_bad_device_and_loads_nothing(tmp_path) -> None:  # type
 
 
 def test_each_device_type_has_its_own_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from kvfuse.control.profile import profile_path
+    from kvfuse.profile import profile_path
 
     cpu = profile_path(tmp_path, "f" * 64)
     assert cpu == profile_path(tmp_path, "f" * 64, torch.device("cpu"))

@@ -242,8 +242,8 @@ def test_query_aware_by_work_spends_its_share_of_work(models, family: str) -> No
     """`cost=work`: the fixed set recomputed on every layer is `pick` by score per unit of work, within
     the ratio's share of the chunk tokens' work; it differs from the top tokens by score where late
     tokens score high; at ratio 1.0 it is still full prefill."""
+    from kvfuse.fuse.core import IN_PLACE
     from kvfuse.fuse.queryaware import pick, recompute_work, suffix_attention
-    from kvfuse.fuse.registry import IN_PLACE
 
     m = models[family]
     full, layout, prefix, chunks = _fused_case(m, 7)
@@ -296,10 +296,11 @@ def test_a_pass_in_placed_buffers_equals_a_fresh_pass(models, family: str) -> No
     for keep, cand in ((fuse.keep_schedule(m.cfg.num_layers, n, 0.3), None), ([len(fixed)] * m.cfg.num_layers, fixed)):
         first = fuse.reuse(m, layout)
         fresh = fuse.fuse_chunks(m, layout, keep, candidates=cand)
-        again = fuse.fuse_chunks(m, layout, keep, candidates=cand, placed=(first.cache.k, first.cache.v))
+        again = fuse.fuse_chunks(m, layout, keep, candidates=cand, resume=fuse.Resume((first.cache.k, first.cache.v)))
         assert torch.equal(fresh.logits, again.logits) and torch.equal(fresh.cache.k, again.cache.k)
     with pytest.raises(ValueError, match="cannot hold"):
-        fuse.fuse_chunks(m, layout, keep, candidates=cand, placed=(first.cache.k[:, :, :5], first.cache.v[:, :, :5]))
+        fuse.fuse_chunks(m, layout, keep, candidates=cand,
+                         resume=fuse.Resume((first.cache.k[:, :, :5], first.cache.v[:, :, :5])))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -429,8 +430,9 @@ def _naive_hidden(m, ids: torch.Tensor, layer: int) -> torch.Tensor:  # type: ig
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_pass_that_begins_mid_model_equals_full_prefill(models, family: str) -> None:
-    """fuse_chunks(begin=L) over full prefill's KV, given every row's exact input to layer L, recomputes
-    layers L.. into exactly full prefill; without placed buffers or with the wrong rows it refuses."""
+    """fuse_chunks(resume=Resume(placed, begin=L, hidden)) over full prefill's KV, given every row's exact
+    input to layer L, recomputes layers L.. into exactly full prefill; a begin without the rows' input, or
+    with the wrong rows, or past the last layer, is refused."""
     m = models[family]
     prefix, chunks, suffix = _layout(11)
     ids = _t(prefix + sum(chunks, ()) + suffix)
@@ -443,14 +445,17 @@ def test_a_pass_that_begins_mid_model_equals_full_prefill(models, family: str) -
     n, layers = sum(len(c) for c in chunks), m.cfg.num_layers
     hidden = _naive_hidden(m, ids, 2)[len(prefix):]
     placed = (full.cache.k.clone(), full.cache.v.clone())
-    out = fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), placed=placed, begin=2, hidden=hidden)
+    out = fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), resume=fuse.Resume(placed, 2, hidden))
     _assert_close(out.logits, full.logits, f"{family} begin=2", 1e-4)
     _assert_close(out.cache.k, full.cache.k, f"{family} begin=2 keys", 1e-4)
     assert out.recomputed_token_layers == n * (layers - 2) and len(out.selected) == layers - 2
-    with pytest.raises(ValueError, match="placed buffers"):
-        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), begin=2, hidden=hidden)
+    with pytest.raises(ValueError, match="hidden input"):
+        fuse.Resume(placed, 2)
     with pytest.raises(ValueError, match="rows"):
-        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), placed=placed, begin=2, hidden=hidden[1:])
+        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n), resume=fuse.Resume(placed, 2, hidden[1:]))
+    with pytest.raises(ValueError, match="cannot begin"):
+        fuse.fuse_chunks(m, layout, [n] * layers, candidates=torch.arange(n),
+                         resume=fuse.Resume(placed, layers, hidden))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

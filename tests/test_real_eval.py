@@ -51,8 +51,8 @@ def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profil
     import os
 
     from kvfuse import fuse
-    from kvfuse.control.policy import Calibration, CurvePoint
-    from kvfuse.control.profile import save_calibration
+    from kvfuse.policy import Calibration, CurvePoint
+    from kvfuse.profile import save_calibration
     from kvfuse.weights import load_model, resolve_model_path
 
     path = resolve_model_path(None)
@@ -76,7 +76,7 @@ def test_calibrate_cli_keeps_other_fusers_curves(tmp_path, monkeypatch, capsys) 
     same set and target keeps the curves measured before (a new set replaces them all)."""
     import os
 
-    from kvfuse.control.profile import load_calibration
+    from kvfuse.profile import load_calibration
     from kvfuse.weights import load_model, resolve_model_path
 
     path = resolve_model_path(None)

@@ -22,7 +22,7 @@ from kvfuse.kv import KVCache
 from kvfuse.request import Request
 from kvfuse.store import RedisTier, Remote, open_store
 from kvfuse.store.base import CorruptEntryError
-from kvfuse.store.redis import MAGIC
+from kvfuse.store.redis_value import MAGIC
 from kvfuse.weights import load_model
 
 

@@ -448,7 +448,7 @@ def test_a_tenant_gets_the_same_cache_keys_from_the_library_and_the_server(srv) 
 
 
 def test_ratio_auto_works_over_http_with_the_controller(srv) -> None:
-    from kvfuse.control.policy import Controller, Profile, TierProfile
+    from kvfuse.policy import Controller, Profile, TierProfile
 
     url, state = srv
     eng = state.engine

@@ -172,8 +172,8 @@ def _costs(pairs: list[str]) -> dict[str, float]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvfuse.control.policy import Controller
-    from kvfuse.control.profile import load_or_profile
+    from kvfuse.policy import Controller
+    from kvfuse.profile import load_or_profile
     from kvfuse.weights import cache_dir
 
     if not 0.0 <= args.floor <= 1.0:

@@ -92,7 +92,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
     if any(m.name.endswith("@auto") or m.name == "default" for m in methods):
-        from kvfuse.control.profile import load_calibration
+        from kvfuse.profile import load_calibration
         from kvfuse.runtime import attach_controller
         from kvfuse.weights import cache_dir
 
@@ -139,12 +139,12 @@ def _crosschunk(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from kvfuse.control.policy import DEFAULT_TARGET_KL
-    from kvfuse.control.profile import load_calibration, save_calibration
     from kvfuse.eval.calibrate import DEFAULT_SEED, calibrate
     from kvfuse.eval.crosschunk import make_cases
     from kvfuse.eval.data import cases_from
     from kvfuse.fuse import FUSERS, Fuser, parse_fuser
+    from kvfuse.policy import DEFAULT_TARGET_KL
+    from kvfuse.profile import load_calibration, save_calibration
     from kvfuse.weights import cache_dir
 
     known = ", ".join(n for n, f in FUSERS.items() if f.takes_ratio)

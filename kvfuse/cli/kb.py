@@ -243,7 +243,7 @@ def citation_line(c: Any) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kvfuse.kb.compare import compare_chart, compare_table, load_questions, parse_compare_methods, run_compare
+    from kvfuse.eval.compare import compare_chart, compare_table, load_questions, parse_compare_methods, run_compare
     from kvfuse.kb.manifest import KBError
 
     try:

@@ -9,7 +9,7 @@ reference; each fuser at each ratio is teacher-forced on it from its own fused c
 mean KL(full || fused) over the answer's tokens and the first-token agreement; TTFT is the engine's,
 as a ratio to full's within the case (caches precomputed, in memory). The curves are kept under the
 model's fingerprint; the controller's floor for `ratio: auto` becomes each fuser's smallest ratio that
-reaches the target KL (`control.policy.Calibration`).
+reaches the target KL (`policy.Calibration`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from kvfuse.control.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
 from kvfuse.engine import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.eval.harness import EvalSettings, retrieve
 from kvfuse.eval.metrics import fidelity
 from kvfuse.fuse import fuser_key
+from kvfuse.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Prompt, Tokenizer
 

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvfuse.fuse.core import Deviation, Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
+from kvfuse.fuse.core import IN_PLACE, Deviation, FuseContext, Fused, FuseLayout, fuse_chunks
+from kvfuse.fuse.registry import Fuser, Reads, check_behind, ratio_arg, register_fuser
 from kvfuse.model import Decoder
 
 DEFAULT_RATIO = 0.15
@@ -50,8 +50,7 @@ def blend(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO, *,
           ctx: FuseContext = IN_PLACE) -> Fused:
     """CacheBlend: fuse chunk caches after an exact prefix, recomputing the high-deviation tokens."""
     keep = keep_schedule(model.cfg.num_layers, layout.chunk_tokens, ratio, filter_layers)
-    return fuse_chunks(model, layout, keep, deviation=deviation, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
-                       pause=ctx.pause)
+    return fuse_chunks(model, layout, keep, deviation=deviation, ctx=ctx)
 
 
 @register_fuser

@@ -275,123 +275,169 @@ class FuseLayout:
         return out
 
 
-def fuse_chunks(
-    model: Decoder,
-    layout: FuseLayout,
-    keep: Sequence[int],
-    *,
-    candidates: torch.Tensor | None = None,
-    deviation: Deviation | None = None,
-    rotate: Rerotate = rerotate_into,
-    loader: LayerLoader | None = None,
-    room: int = 0,
-    observe: Observe | None = None,
-    placed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    pause: Pause = no_pause,
-    begin: int = 0,
-    hidden: torch.Tensor | None = None,
-    keep_hidden: int | None = None,
-) -> Fused:
+@dataclass(frozen=True, slots=True)
+class FuseContext:
+    """How a pass runs, the same for every fuser, none of which changes what it computes: the key mover,
+    the layer loader (default: read in place, nothing ahead), decode room, what to call after each layer
+    (`Pause`: the server steps running requests there) and what sees each layer's queries and keys
+    (`Observe`: query-aware selection reads the suffix's attention there)."""
+
+    rotate: Rerotate = rerotate_into
+    loader: LayerLoader | None = None
+    room: int = 0
+    pause: Pause = no_pause
+    observe: Observe | None = None
+
+
+IN_PLACE = FuseContext()  # the default: rotate in place, read chunk layers as they are, no decode room
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A pass over an earlier pass's buffers (`Fused.buffers`, or its cache's tensors, at least the
+    layout's length): they hold the prefix and every chunk's re-rotated KV on every layer already, so
+    nothing is copied in or read again, only the rows the pass computes are overwritten, and the room
+    is what the buffers have beyond the layout. With `begin` > 0 the pass starts at that layer (the
+    earlier ones stay as placed) from `hidden`, the rows' input there (the prefix tail, the candidates,
+    the suffix, in order), where it would otherwise be their embeddings."""
+
+    placed: tuple[torch.Tensor, torch.Tensor]
+    begin: int = 0
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.begin < 0 or (self.begin > 0) != (self.hidden is not None):
+            raise ValueError(f"a pass that begins at layer {self.begin} needs the rows' hidden input there "
+                             "(and one that begins at layer 0 takes none)")
+
+
+def fuse_chunks(model: Decoder, layout: FuseLayout, keep: Sequence[int], *, candidates: torch.Tensor | None = None,
+                deviation: Deviation | None = None, ctx: FuseContext = IN_PLACE, resume: Resume | None = None,
+                keep_hidden: int | None = None) -> Fused:
     """Compute the layout in one layer-by-layer pass, recomputing keep[l] chunk tokens on layer l.
 
     The prefix is an exact cache; the prefix tail and the suffix are computed on every layer; on layer
     l the keep[l] chunk tokens of highest deviation among the previous layer's are recomputed (keep all
-    zero is plain reuse, and needs no chunk ids). Chunk layers come through `loader` (default: read in
-    place, nothing ahead), one layer at a time. `candidates` (sorted chunk-token indices) replaces
+    zero is plain reuse, and needs no chunk ids). `candidates` (sorted chunk-token indices) replaces
     "every chunk token" as layer 0's set; `deviation` replaces `kv_deviation` as the score the kept
-    tokens are ranked by; `room` reserves token slots for decoding, as in `prefill`; `observe` sees each
-    layer's queries and keys (it changes nothing). `placed` are the K and V buffers of an earlier pass
-    over the same layout (at least `total` tokens long; `Fused.buffers`, or its cache's tensors): they
-    already hold the prefix and every chunk's re-rotated KV on every layer, so nothing is copied in or
-    read again, and only the rows this pass computes are overwritten. `pause` is called after each
-    layer. `begin` > 0 (with `placed`) starts the pass at that layer: the earlier layers stay as placed,
-    and `hidden` (rows, hidden_size) is the rows' input to layer `begin` (the prefix tail, the
-    candidates, the suffix, in order), where it would otherwise be their embeddings. `keep_hidden`
-    returns the rows' input to that layer as `Fused.rows_hidden`."""
-    chunks, chunk_ids, suffix, tail = layout.chunks, layout.chunk_ids, layout.suffix, layout.prefix_tail
+    tokens are ranked by; `ctx` is how the pass runs; `resume` makes it a pass over an earlier pass's
+    buffers; `keep_hidden` returns the rows' input to that layer as `Fused.rows_hidden`."""
+    pass_ = _Pass.start(model, layout, keep, candidates, ctx, resume)
     score = deviation if deviation is not None else kv_deviation
-    cfg = model.cfg
-    if suffix.numel() == 0:
-        raise ValueError("fusing chunks needs a non-empty suffix")
-    n_c = layout.chunk_tokens
-    if (keep[0] or candidates is not None) and [len(c) for c in chunks] != [len(t) for t in chunk_ids]:
-        raise ValueError("every chunk cache needs its token ids, of the same length")
-    parts = layout.prefix
-    p = sum(len(c) for c in parts)
-    start = layout.chunks_begin
-    n = start + n_c
-    total = n + suffix.shape[0]
-    if placed is None:
-        k_buf, v_buf = _buffers(cfg, total, model.compute_dtype, room)
-        _copy_in(parts, k_buf, v_buf)
-    else:
-        k_buf, v_buf = placed
-        if k_buf.shape[2] < total or k_buf.shape[0] != cfg.num_layers:
-            raise ValueError(f"placed buffers of shape {tuple(k_buf.shape)} cannot hold this layout ({total} tokens)")
-        room = k_buf.shape[2] - total
-    if begin and (placed is None or hidden is None or not 0 < begin < cfg.num_layers):
-        raise ValueError(f"a pass that begins at layer {begin} needs placed buffers and the rows' hidden input")
-    pos_all = torch.arange(total)
-
-    # Rows of h: the prefix tail, the candidate chunk tokens (as indices into the chunk span), the suffix.
-    if candidates is not None:
-        cand = candidates.to(torch.int64)
-    else:
-        cand = torch.arange(n_c) if keep[0] else torch.empty(0, dtype=torch.int64)
-    if keep[0] > cand.shape[0]:
-        raise ValueError(f"layer 0 keeps {keep[0]} tokens but there are only {cand.shape[0]} candidates")
-    fixed_lo, fixed_hi = torch.arange(p, start), torch.arange(n, total)
-    n_lo = fixed_lo.shape[0]
-    cand_ids = torch.cat(list(chunk_ids))[cand] if cand.numel() else torch.empty(0, dtype=torch.int64)
-    h = model.embed(torch.cat([tail, cand_ids, suffix])) if hidden is None else hidden
-    if h.shape[0] != n_lo + cand.shape[0] + suffix.shape[0]:
-        raise ValueError(f"hidden has {h.shape[0]} rows, but the pass computes {n_lo + cand.shape[0]} + "
-                         f"{suffix.shape[0]}")
     rows_hidden: torch.Tensor | None = None
-    selected: list[torch.Tensor] = []
-    recomputed = 0
-    plans = RowPlans(cfg)  # rows change only when the candidates narrow: RoPE and masks are built once per set
-    own_loader = loader is None and placed is None
-    if own_loader:
-        loader = LayerLoader(chunks, cfg.num_layers, pipelined=False)
+    own_loader = ctx.loader is None and resume is None
+    loader = LayerLoader(layout.chunks, model.cfg.num_layers, pipelined=False) if own_loader else ctx.loader
     try:
-        for i in range(begin, cfg.num_layers):
-            nc = cand.shape[0]
+        for i in range(resume.begin if resume else 0, model.cfg.num_layers):
             if i == keep_hidden:
-                rows_hidden = h.clone()
-            if placed is None:  # this pass reads the chunk layers itself
+                rows_hidden = pass_.h.clone()
+            if resume is None:  # this pass reads the chunk layers itself
                 assert loader is not None
-                layer_kv = loader.synchronize(i)  # this layer's chunk KV has arrived; the next one is on its way
-                if nc < n_c or keep[i] < nc:  # some reused KV is read on this layer: place it
-                    _place_layer(cfg, i, chunks, layer_kv, start, k_buf[i], v_buf[i], rotate)
-            rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
-            last = i == cfg.num_layers - 1  # only the last row's output is used there (the logits)
-            top, q_rows = torch.arange(nc), rows
-            plan = plans.get(rows, pos_all)
-            if keep[i] < nc or last:  # keys first: to rank the candidates, or as all the other rows need
-                k, v = model.key_value(i, h, rows, plan)
-                if keep[i] < nc:  # measure the candidates' deviation, keep the top keep[i]
-                    span = slice(n_lo, n_lo + nc)
-                    dev = score(k[:, span], v[:, span], k_buf[i][:, cand + start], v_buf[i][:, cand + start])
-                    top = torch.topk(dev, keep[i]).indices.sort().values
-                    sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
-                    h, q_rows = h[sel], rows[sel]
-                if last:
-                    h, q_rows = h[-1:], q_rows[-1:]
-                plan = plans.get(q_rows, pos_all)
-                q = model.query(i, h, q_rows, plan)
-            else:
-                q, k, v = model.project(i, h, rows, plan)
-            k_buf[i][:, rows], v_buf[i][:, rows] = k, v  # fresh KV for every row, dropped candidates too
-            if observe is not None:
-                observe(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all)
-            a = model.attend(i, q, q_rows, k_buf[i, :, :total], v_buf[i, :, :total], pos_all, plan)
-            h = model.finish(i, h, a)
-            cand = cand[top]
-            selected.append(cand)
-            recomputed += int(cand.shape[0])
-            pause()
+                pass_.place(i, loader.synchronize(i), ctx.rotate, keep[i])  # the next layer is on its way
+            pass_.layer(i, keep[i], score, ctx.observe)
+            ctx.pause()
     finally:
         if own_loader and loader is not None:
             loader.close()
-    return _fused(model, k_buf, v_buf, total, h, room, recomputed, selected, rows_hidden)
+    return _fused(model, pass_.k_buf, pass_.v_buf, pass_.total, pass_.h, pass_.room, pass_.recomputed,
+                  pass_.selected, rows_hidden)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One pass's state: its buffers, its rows (the prefix tail, the candidate chunk tokens as indices
+    into the chunk span, the suffix) and their hidden states, and what it recomputed so far."""
+
+    model: Decoder
+    layout: FuseLayout
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    room: int
+    cand: torch.Tensor
+    h: torch.Tensor
+    plans: RowPlans
+    selected: list[torch.Tensor] = field(default_factory=list)
+    recomputed: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.layout.chunks_begin + self.layout.chunk_tokens + int(self.layout.suffix.shape[0])
+
+    @classmethod
+    def start(cls, model: Decoder, layout: FuseLayout, keep: Sequence[int], candidates: torch.Tensor | None,
+              ctx: FuseContext, resume: Resume | None) -> _Pass:
+        """The pass's buffers (new, with the prefix copied in, or the resumed pass's), its first
+        candidates, and its rows' input: their embeddings, or the resumed pass's hidden."""
+        cfg, n_c = model.cfg, layout.chunk_tokens
+        if layout.suffix.numel() == 0:
+            raise ValueError("fusing chunks needs a non-empty suffix")
+        lengths = [len(c) for c in layout.chunks]
+        if (keep[0] or candidates is not None) and lengths != [len(t) for t in layout.chunk_ids]:
+            raise ValueError("every chunk cache needs its token ids, of the same length")
+        total = layout.chunks_begin + n_c + int(layout.suffix.shape[0])
+        if resume is None:
+            k_buf, v_buf = _buffers(cfg, total, model.compute_dtype, ctx.room)
+            _copy_in(layout.prefix, k_buf, v_buf)
+        else:
+            k_buf, v_buf = resume.placed
+            if k_buf.shape[2] < total or k_buf.shape[0] != cfg.num_layers:
+                raise ValueError(f"placed buffers of shape {tuple(k_buf.shape)} cannot hold this layout "
+                                 f"({total} tokens)")
+            if resume.begin >= cfg.num_layers:
+                raise ValueError(f"a pass cannot begin at layer {resume.begin} of {cfg.num_layers}")
+        cand = candidates.to(torch.int64) if candidates is not None else (
+            torch.arange(n_c) if keep[0] else torch.empty(0, dtype=torch.int64))
+        if keep[0] > cand.shape[0]:
+            raise ValueError(f"layer 0 keeps {keep[0]} tokens but there are only {cand.shape[0]} candidates")
+        tail, suffix = layout.prefix_tail, layout.suffix
+        cand_ids = torch.cat(list(layout.chunk_ids))[cand] if cand.numel() else torch.empty(0, dtype=torch.int64)
+        h = model.embed(torch.cat([tail, cand_ids, suffix])) if resume is None or resume.hidden is None \
+            else resume.hidden
+        if h.shape[0] != tail.shape[0] + cand.shape[0] + suffix.shape[0]:
+            raise ValueError(f"hidden has {h.shape[0]} rows, but the pass computes {tail.shape[0] + cand.shape[0]} + "
+                             f"{suffix.shape[0]}")
+        return cls(model, layout, k_buf, v_buf, k_buf.shape[2] - total, cand, h, RowPlans(cfg))
+
+    def place(self, i: int, layer_kv: LayerKV, rotate: Rerotate, keep: int) -> None:
+        """Layer i's chunk KV, re-rotated into the buffers, where some of it is read on this layer (not
+        every chunk token is a candidate, or not every candidate is kept)."""
+        nc = self.cand.shape[0]
+        if nc < self.layout.chunk_tokens or keep < nc:
+            _place_layer(self.model.cfg, i, self.layout.chunks, layer_kv, self.layout.chunks_begin, self.k_buf[i],
+                         self.v_buf[i], rotate)
+
+    def layer(self, i: int, keep: int, score: Deviation, observe: Observe | None) -> None:
+        """Layer i: the rows' keys (to rank the candidates, keeping the top `keep`), then the attention
+        and MLP of the rows kept (of the last row alone on the last layer: only its output is read)."""
+        model, start, total = self.model, self.layout.chunks_begin, self.total
+        p = sum(len(c) for c in self.layout.prefix)
+        fixed_lo, fixed_hi = torch.arange(p, start), torch.arange(start + self.layout.chunk_tokens, total)
+        n_lo, nc, h, cand = fixed_lo.shape[0], self.cand.shape[0], self.h, self.cand
+        pos_all = torch.arange(total)
+        rows = torch.cat((fixed_lo, cand + start, fixed_hi))  # absolute positions of the rows of h
+        last = i == model.cfg.num_layers - 1
+        top, q_rows = torch.arange(nc), rows
+        plan = self.plans.get(rows, pos_all)
+        k_buf, v_buf = self.k_buf[i], self.v_buf[i]
+        if keep < nc or last:  # keys first: to rank the candidates, or as all the other rows need
+            k, v = model.key_value(i, h, rows, plan)
+            if keep < nc:  # measure the candidates' deviation, keep the top `keep`
+                span = slice(n_lo, n_lo + nc)
+                dev = score(k[:, span], v[:, span], k_buf[:, cand + start], v_buf[:, cand + start])
+                top = torch.topk(dev, keep).indices.sort().values
+                sel = torch.cat((torch.arange(n_lo), top + n_lo, torch.arange(n_lo + nc, rows.shape[0])))
+                h, q_rows = h[sel], rows[sel]
+            if last:
+                h, q_rows = h[-1:], q_rows[-1:]
+            plan = self.plans.get(q_rows, pos_all)
+            q = model.query(i, h, q_rows, plan)
+        else:
+            q, k, v = model.project(i, h, rows, plan)
+        k_buf[:, rows], v_buf[:, rows] = k, v  # fresh KV for every row, dropped candidates too
+        if observe is not None:
+            observe(i, q, q_rows, k_buf[:, :total], v_buf[:, :total], pos_all)
+        a = model.attend(i, q, q_rows, k_buf[:, :total], v_buf[:, :total], pos_all, plan)
+        self.h = model.finish(i, h, a)
+        self.cand = cand[top]
+        self.selected.append(self.cand)
+        self.recomputed += int(self.cand.shape[0])

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, register_fuser
+from kvfuse.fuse.core import IN_PLACE, FuseContext, Fused, FuseLayout, fuse_chunks
+from kvfuse.fuse.registry import Fuser, Reads, check_behind, register_fuser
 from kvfuse.model import Decoder
 
 DEFAULT_HEAD_TOKENS = 16
@@ -24,8 +24,7 @@ def legolink(model: Decoder, layout: FuseLayout, head_tokens: int = DEFAULT_HEAD
                                                                               strict=True)]
     fixed = torch.cat(heads) if heads else torch.empty(0, dtype=torch.int64)
     keep = [int(fixed.shape[0])] * model.cfg.num_layers
-    return fuse_chunks(model, layout, keep, candidates=fixed, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
-                       pause=ctx.pause)
+    return fuse_chunks(model, layout, keep, candidates=fixed, ctx=ctx)
 
 
 @register_fuser

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfuse.fuse.core import Fused, FuseLayout, prefill
-from kvfuse.fuse.registry import FuseContext, NoOptions, Reads, register_fuser
+from kvfuse.fuse.core import FuseContext, Fused, FuseLayout, prefill
+from kvfuse.fuse.registry import NoOptions, Reads, register_fuser
 from kvfuse.model import Decoder
 
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, NoOptions, Reads, check_behind, register_fuser
+from kvfuse.fuse.core import IN_PLACE, FuseContext, Fused, FuseLayout, fuse_chunks
+from kvfuse.fuse.registry import NoOptions, Reads, check_behind, register_fuser
 from kvfuse.model import Decoder
 
 
 def reuse(model: Decoder, layout: FuseLayout, ctx: FuseContext = IN_PLACE) -> Fused:
     """Full KV reuse: no chunk token is recomputed."""
     keep = [0] * model.cfg.num_layers
-    return fuse_chunks(model, layout, keep, rotate=ctx.rotate, loader=ctx.loader, room=ctx.room,
-                       pause=ctx.pause)
+    return fuse_chunks(model, layout, keep, ctx=ctx)
 
 
 @register_fuser

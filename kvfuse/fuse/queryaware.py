@@ -56,8 +56,8 @@ from typing import ClassVar
 import torch
 
 from kvfuse.config import ModelConfig
-from kvfuse.fuse.core import Fused, FuseLayout, fuse_chunks
-from kvfuse.fuse.registry import IN_PLACE, FuseContext, Fuser, Reads, check_behind, ratio_arg, register_fuser
+from kvfuse.fuse.core import IN_PLACE, FuseContext, Fused, FuseLayout, Resume, fuse_chunks
+from kvfuse.fuse.registry import Fuser, Reads, check_behind, ratio_arg, register_fuser
 from kvfuse.model import Decoder
 
 DEFAULT_RATIO = 0.2  # the default fuser's ratio: at most 0.30x full's TTFT on Gemma 3 270M (docs/benchmarks.md)
@@ -106,15 +106,15 @@ def suffix_attention(model: Decoder, layout: FuseLayout, layers: str = "global",
             score.add_(probs.sum(dim=(0, 1)))
 
     reuse = [0] * cfg.num_layers
-    first = fuse_chunks(model, layout, reuse, rotate=ctx.rotate, loader=ctx.loader, observe=None if ahead else observe,
-                        room=ctx.room + ahead, pause=ctx.pause, keep_hidden=keep_hidden)
+    first_ctx = dataclasses.replace(ctx, observe=None if ahead else observe, room=ctx.room + ahead)
+    first = fuse_chunks(model, layout, reuse, ctx=first_ctx, keep_hidden=keep_hidden)
     out, draft = first, []
     for j in range(ahead):  # the draft's passes read the placed chunks; only the last one is observed
         draft.append(int(out.logits.argmax()))
         longer = dataclasses.replace(layout, suffix=torch.cat((layout.suffix, torch.tensor(draft))))
         assert first.buffers is not None
-        out = fuse_chunks(model, longer, reuse, placed=first.buffers, observe=observe if j == ahead - 1 else None,
-                          pause=ctx.pause)
+        out = fuse_chunks(model, longer, reuse, resume=Resume(first.buffers),
+                          ctx=FuseContext(pause=ctx.pause, observe=observe if j == ahead - 1 else None))
     return score, first
 
 
@@ -176,8 +176,8 @@ def query_aware(model: Decoder, layout: FuseLayout, ratio: float = DEFAULT_RATIO
     # pass 2 recomputes in pass 1's buffers: the prefix and the re-rotated chunk KV are in place already
     placed = reused.buffers if reused.buffers is not None else (reused.cache.k, reused.cache.v)
     begin, hidden = _resume(layout, chosen, reused, skip)
-    return fuse_chunks(model, layout, keep, candidates=chosen, rotate=ctx.rotate, placed=placed,
-                       pause=ctx.pause, begin=begin, hidden=hidden)
+    return fuse_chunks(model, layout, keep, candidates=chosen, ctx=FuseContext(rotate=ctx.rotate, pause=ctx.pause),
+                       resume=Resume(placed, begin, hidden))
 
 
 def _resume(layout: FuseLayout, chosen: torch.Tensor, reused: Fused, skip: int) -> tuple[int, torch.Tensor | None]:

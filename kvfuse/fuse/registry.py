@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
 from kvfuse import defaults
 from kvfuse.config import ModelConfig
-from kvfuse.fuse.core import Fused, FuseLayout, Pause, Rerotate, no_pause
-from kvfuse.loader import LayerLoader
+from kvfuse.fuse.core import FuseContext, Fused, FuseLayout
 from kvfuse.model import Decoder
-from kvfuse.rope import rerotate_into
 
 Reads = Literal["nothing", "prefix", "chunks"]
 # What a chunk's cache is computed behind (its preamble, part of the chunk's key):
@@ -42,18 +39,6 @@ HEAD_PREAMBLE_MAX = 128
 NEIGHBOUR_TOKENS = 512  # the sliding window of Gemma 3 270M, which this was measured on
 
 
-@dataclass(frozen=True, slots=True)
-class FuseContext:
-    """How a fuser runs, the same for every fuser: the key mover, the layer loader, decode room, and
-    what to call between pieces of the work (`core.Pause`: the server steps running requests there)."""
-
-    rotate: Rerotate = rerotate_into
-    loader: LayerLoader | None = None
-    room: int = 0
-    pause: Pause = no_pause
-
-
-IN_PLACE = FuseContext()  # the default: rotate in place, read chunk layers as they are, no decode room
 
 
 class Fuser(Protocol):
@@ -249,3 +234,9 @@ def no_arg(name: str) -> Callable[[str | None], None]:
             raise ValueError(f"{name!r} takes no @argument, got {name}@{arg}")
 
     return check
+
+
+def default_mode(asked: str | None, chunks: bool) -> str:
+    """The mode a request runs in: the one it asked for, else `DEFAULT_MODE` over chunks, else prefix
+    (the longest stored run of its prefix, then the rest computed)."""
+    return asked or (DEFAULT_MODE if chunks else "prefix")

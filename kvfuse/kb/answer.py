@@ -18,26 +18,29 @@ finish   token accounting, cost, and the group's cumulative usage.
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.defaults import ANSWER_TOKENS
-from kvfuse.fuse.registry import DEFAULT_MODE, residual_layer
+from kvfuse.fuse.registry import default_mode, residual_layer
 from kvfuse.kb.conflicts import Conflict, conflicts_for
 from kvfuse.kb.manifest import Document, KBError
 from kvfuse.kb.prefix import PrefixPlan
 from kvfuse.kb.quotes import Citation, find_quote, judge, looping, no_usable_quote, sentence_around, usable
 from kvfuse.rag.index import IndexChunk
-from kvfuse.request import OPEN_END, Generation, Ratio, Request, Salt, SaltSpan
+from kvfuse.request import Generation, Ratio, Request, Salt, owned_request
 from kvfuse.sampling import SamplingParams
 from kvfuse.text.deltas import complete_answer
 from kvfuse.text.layout import chunk_text, question_text
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from kvfuse.engine import Engine
-    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.kb.state import KBState
     from kvfuse.text.tokenizer import Tokenizer
 
 QUOTE_TOKENS = 48  # a quote is at most a sentence; one that runs past this is no usable quote
@@ -83,7 +86,7 @@ class Prepared:
     ratio: Ratio
     question: str
     passages: tuple[IndexChunk, ...] = ()
-    documents: tuple[str, ...] = ()
+    documents: tuple[tuple[int, ...], ...] = ()  # the request's own documents' ids
     suffix: tuple[int, ...] | None = None
     after_prefix: tuple[int, ...] = ()
     tenant_wide: bool = False  # the request's own entries are salted per tenant, not per tenant and group
@@ -95,11 +98,13 @@ class Prepared:
                                             for c in self.passages]
 
 
-def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
+def prepare(kb: KBState, question: str, group: str, tenant: str | None = None,
             passages: Sequence[IndexChunk] = (), ratio: Ratio = None, *, suffix: Sequence[int] | None = None,
-            after_prefix: Sequence[int] = (), documents: Sequence[str] = (), mode: str | None = None,
+            after_prefix: Sequence[int] = (), documents: Sequence[Sequence[int]] = (), mode: str | None = None,
             tenant_wide: bool = False) -> Prepared:
-    """Plan a request on the group's prefix; see the module docstring. Raises KBError on bad input."""
+    """Plan a request on the group's prefix; see the module docstring. `documents` are the request's own
+    documents as the token ids of their chunk text (`text.layout.chunk_text`), tokenised once by the
+    caller. Raises KBError on bad input."""
     if suffix is None and not question.strip():
         raise KBError("the question is empty")
     plan = kb.plan(group, tenant)
@@ -109,21 +114,18 @@ def prepare(kb: KnowledgeBase, question: str, group: str, tenant: str | None = N
             raise KBError(f"chunk of {c.doc_id!r} is not readable by group {group!r}")
     tok = kb.tok
     suffix_ids = tuple(suffix) if suffix is not None else tuple(tok.encode(question_text(question)))
-    chunks = tuple(tuple(tok.encode(chunk_text(c.headed))) for c in passages) + tuple(
-        tuple(tok.encode(chunk_text(d))) for d in documents)
-    prefix = plan.ids + tuple(after_prefix)
-    kb.check_length(plan, len(prefix) - len(plan.ids) + len(suffix_ids) + sum(len(c) for c in chunks))
-    salts = plan.salts
-    owner = Salt.of_owner(tenant, group, kb.name, tenant_wide)
-    if owner:  # everything after the knowledge base is the group's own (a chat's turns, say): salt it
-        salts += (SaltSpan(len(plan.ids), OPEN_END, owner),)
-    req = Request(suffix=suffix_ids, prefix=prefix, chunks=chunks, salts=salts, chunk_salt=owner)
-    mode = mode or (DEFAULT_MODE if chunks else "prefix")
-    return Prepared(plan, req, mode, ratio if chunks else None, question, tuple(passages), tuple(documents),
+    chunks = tuple(tuple(tok.encode(chunk_text(c.headed))) for c in passages) + tuple(tuple(d) for d in documents)
+    kb.check_length(plan, len(after_prefix) + len(suffix_ids) + sum(len(c) for c in chunks))
+    # everything after the knowledge base is the group's own (a chat's turns, documents): salted so
+    req = owned_request(plan.ids, suffix_ids, after=after_prefix, chunks=chunks, head_salts=plan.salts,
+                        owner=Salt.of_owner(tenant, group, kb.name, tenant_wide))
+    mode = default_mode(mode, bool(chunks))
+    return Prepared(plan, req, mode, ratio if chunks else None, question, tuple(passages),
+                    tuple(tuple(d) for d in documents),
                     tuple(suffix) if suffix is not None else None, tuple(after_prefix), tenant_wide)
 
 
-def refresh(kb: KnowledgeBase, prep: Prepared) -> Prepared:
+def refresh(kb: KBState, prep: Prepared) -> Prepared:
     """The same question prepared on the knowledge base as it is now (it may have been edited since)."""
     if kb.plan(prep.plan.group, prep.plan.tenant) is prep.plan:
         return prep
@@ -132,14 +134,14 @@ def refresh(kb: KnowledgeBase, prep: Prepared) -> Prepared:
                    tenant_wide=prep.tenant_wide)
 
 
-def needs_warming(kb: KnowledgeBase, prep: Prepared) -> bool:
+def needs_warming(kb: KBState, prep: Prepared) -> bool:
     """The prefix has a block that is not stored (a cold build)."""
     from kvfuse.kb.build import needs_build
 
     return needs_build(kb, prep.plan)
 
 
-def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, float]:
+def warm(kb: KBState, prep: Prepared, chunks: bool = True) -> tuple[int, float]:
     """Build the prefix where a block is missing and, with `chunks`, precompute the chunk caches.
     Returns (tokens written, seconds spent on the prefix build)."""
     from kvfuse.kb.build import build, needs_build
@@ -159,7 +161,7 @@ def warm(kb: KnowledgeBase, prep: Prepared, chunks: bool = True) -> tuple[int, f
     return written, build_s
 
 
-def ask(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
+def ask(kb: KBState, question: str, group: str, tenant: str | None = None,
         passages: Sequence[IndexChunk] = (), ratio: Ratio = None, max_tokens: int = ANSWER_TOKENS,
         quote: bool = True) -> Answer:
     prep = prepare(kb, question, group, tenant, passages, ratio)
@@ -171,13 +173,26 @@ def ask(kb: KnowledgeBase, question: str, group: str, tenant: str | None = None,
     return finish(kb, prep, done.text, stream.result, citations, written, stopped=done.stopped, conflicts=conflicts)
 
 
-def review(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> tuple[list[Citation],
-                                                                                             list[Conflict]]:
-    """A finished answer's citations (each judged: does it support the answer?) and its conflicts."""
-    return cite(kb, prep, answer, ask_model), conflicts_for(kb, prep.plan.group, prep.question, answer)
+def review(kb: KBState, prep: Prepared, answer: str, ask_model: bool = True,
+           tolerant: bool = False) -> tuple[list[Citation], list[Conflict]]:
+    """A finished answer's citations (each judged: does it support the answer?) and its conflicts. With
+    `tolerant` (the server: the answer is already sent), a check that fails is logged and gives none,
+    and never costs the answer or the other check."""
+    checks: list[Callable[[], Any]] = [lambda: cite(kb, prep, answer, ask_model),
+                                       lambda: conflicts_for(kb, prep.plan.group, prep.question, answer)]
+    out: list[Any] = []
+    for name, check in zip(("citations", "the conflict check"), checks, strict=True):
+        try:
+            out.append(check())
+        except Exception:
+            if not tolerant:
+                raise
+            log.exception("%s failed", name)
+            out.append([])
+    return out[0], out[1]
 
 
-def cite(kb: KnowledgeBase, prep: Prepared, answer: str, ask_model: bool = True) -> list[Citation]:
+def cite(kb: KBState, prep: Prepared, answer: str, ask_model: bool = True) -> list[Citation]:
     """With ask_model, ask the model for a verbatim quote (a second, cached request); else take the
     quotes inside the answer. Quotes are verified against the sources; where none is, a sentence found
     by search is added, labelled as retrieved (see `kb.quotes` for the states)."""
@@ -226,7 +241,7 @@ def with_support(found: list[Citation], sources: Sequence[Document], query: str,
     return found + ([support] if support is not None else [])
 
 
-def _model_quote(kb: KnowledgeBase, prep: Prepared, answer: str) -> QuoteAttempt:
+def _model_quote(kb: KBState, prep: Prepared, answer: str) -> QuoteAttempt:
     """The model's quote, asked on the group's prefix and the fused passages (a chat's turns and request
     documents are left out: the quote must come from the knowledge)."""
     q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio,
@@ -259,7 +274,7 @@ def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:
     return sentence_around(d, s, e)
 
 
-def finish(kb: KnowledgeBase, prep: Prepared, text: str, result: Generation, citations: list[Citation],
+def finish(kb: KBState, prep: Prepared, text: str, result: Generation, citations: list[Citation],
            written: int = 0, built: int = 0, stopped: bool = False, conflicts: Sequence[Conflict] = ()) -> Answer:
     """Token accounting, cost and the cumulative cached share of a finished answer. `built` prefix tokens
     were computed for this very request (a cold build), so they count as computed, not cached; `stopped`

@@ -18,7 +18,7 @@ from kvfuse.kb.usage import build_record_path, kb_state_dir, locked, read_json, 
 from kvfuse.kv import one_thread
 
 if TYPE_CHECKING:
-    from kvfuse.kb.base import KnowledgeBase
+    from kvfuse.kb.state import KBState
 
 BUILD_STEP = 1024  # tokens per build step (one progress-bar tick)
 
@@ -40,19 +40,19 @@ class BuildReport:
         return asdict(self)
 
 
-def stored_tokens(kb: KnowledgeBase, plan: PrefixPlan) -> int:
+def stored_tokens(kb: KBState, plan: PrefixPlan) -> int:
     """How many of the prefix's tokens are stored, as a run of full blocks from the start."""
     cache = kb.engine.cache
     return cache.stored_blocks(cache.block_hashes(plan.ids, plan.salts)) * cache.block_size
 
 
-def needs_build(kb: KnowledgeBase, plan: PrefixPlan) -> bool:
+def needs_build(kb: KBState, plan: PrefixPlan) -> bool:
     """Some full block of the prefix is not stored."""
     bs = kb.engine.cache.block_size
     return stored_tokens(kb, plan) < len(plan.ids) // bs * bs
 
 
-def build(kb: KnowledgeBase, plan: PrefixPlan, progress: bool = False) -> BuildReport:
+def build(kb: KBState, plan: PrefixPlan, progress: bool = False) -> BuildReport:
     """Compute and store (pinned) what is not stored of the plan's prefix; load it when all is."""
     from tqdm import tqdm
 
@@ -88,14 +88,14 @@ def build(kb: KnowledgeBase, plan: PrefixPlan, progress: bool = False) -> BuildR
     return report
 
 
-def _record(kb: KnowledgeBase, plan: PrefixPlan, hashes: Sequence[str], report: BuildReport) -> None:
+def _record(kb: KBState, plan: PrefixPlan, hashes: Sequence[str], report: BuildReport) -> None:
     """Remember this version's blocks; unpin the previous version's blocks that it no longer uses."""
     record = {"kb_version": plan.version, "blocks": list(hashes), "last_build": report.as_dict(),
               "group": plan.group, "tenant": plan.tenant, "built_at": time.time()}
     _update(kb, plan.group, plan.tenant, lambda old: record)
 
 
-def _update(kb: KnowledgeBase, group: str, tenant: str | None,
+def _update(kb: KBState, group: str, tenant: str | None,
             change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     """Replace a build record by change(old record) (None: remove it), unpinning the blocks the old one
     pinned that the new one does not list. In the state dir when the knowledge base has one, else in memory."""
@@ -123,7 +123,7 @@ def _update(kb: KnowledgeBase, group: str, tenant: str | None,
             write_json(path, new)
 
 
-def built_prefixes(kb: KnowledgeBase) -> list[tuple[str, str | None]]:
+def built_prefixes(kb: KBState) -> list[tuple[str, str | None]]:
     """The (group, tenant) prefixes that have a build record: those whose blocks are pinned."""
     if kb.state_dir is None:
         return sorted(kb.records, key=lambda k: (k[0], k[1] or ""))
@@ -135,7 +135,7 @@ def built_prefixes(kb: KnowledgeBase) -> list[tuple[str, str | None]]:
     return found
 
 
-def unpin_obsolete(kb: KnowledgeBase) -> None:
+def unpin_obsolete(kb: KBState) -> None:
     """After an edit: for every built prefix, of every tenant, unpin the blocks the knowledge base as it
     is now no longer uses (a group that is gone loses its record); what is still used stays pinned."""
     for group, tenant in built_prefixes(kb):

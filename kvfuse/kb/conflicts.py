@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 from kvfuse.kb.facts import Quantity, quantities
 
 if TYPE_CHECKING:
-    from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import Document
+    from kvfuse.kb.state import KBState
     from kvfuse.rag.index import Index
 
 PASSAGES = 3  # the passages searched for a conflicting number
@@ -157,12 +157,12 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
     return out
 
 
-def warm(kb: KnowledgeBase) -> None:
+def warm(kb: KBState) -> None:
     """Build every group's index (and load the embedding model) ahead of the first answer that needs it."""
     for group in kb.manifest.groups:
         kb_index(kb.manifest.readable(group), kb.tok)
 
 
-def conflicts_for(kb: KnowledgeBase, group: str, question: str, answer: str) -> list[Conflict]:
+def conflicts_for(kb: KBState, group: str, question: str, answer: str) -> list[Conflict]:
     """find_conflicts over the documents the group may read."""
     return find_conflicts(kb.manifest.readable(group), kb.tok, question, answer)

@@ -115,14 +115,7 @@ class Generating:
         done: answer.Answer | None = None
         if p.kb is not None and p.prep is not None:
             if not cancelled:  # a failed check must not cost the answer, nor the other check
-                try:
-                    citations = answer.cite(p.kb, p.prep, text, ask_model=p.opts.quote)
-                except Exception:
-                    log.exception("citations failed")
-                try:
-                    conflicts = answer.conflicts_for(p.kb, p.prep.plan.group, p.prep.question, text)
-                except Exception:
-                    log.exception("the conflict check failed")
+                citations, conflicts = answer.review(p.kb, p.prep, text, ask_model=p.opts.quote, tolerant=True)
             done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built, conflicts=conflicts)
         out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s,
                       self.first_at - p.arrived, self.started - p.arrived)

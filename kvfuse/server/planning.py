@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvfuse.fuse import DEFAULT_MODE
+from kvfuse.fuse import default_mode
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
-from kvfuse.request import OPEN_END, ModeUnavailableError, Ratio, Request, RequestError, SaltSpan
+from kvfuse.request import ModeUnavailableError, Ratio, Request, RequestError, owned_request
 from kvfuse.sampling import SamplingParams
 from kvfuse.server.auth import Principal
 from kvfuse.server.errors import ApiError
@@ -105,7 +105,7 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
         default_max = COMPLETION_DEFAULT_MAX_TOKENS
     if opts.question is not None:  # the question the prompt asks: what the citations and conflicts read
         question = opts.question
-    mode = opts.mode or (DEFAULT_MODE if chunks else "prefix")
+    mode = default_mode(opts.mode, bool(chunks))
     if opts.ratio is not None and not eng.fuser(mode).takes_ratio:
         raise ApiError(400, f"kvfuse.ratio applies only to mode 'blend' (or another mode that recomputes a share "
                             f"of the chunks), not {mode!r}.", param="kvfuse.ratio")
@@ -122,12 +122,11 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
     try:
         if kb is not None and group is not None:
             prep = answer.prepare(kb, question, group, principal.tenant, (), opts.ratio, suffix=suffix,
-                                  after_prefix=after, documents=docs, mode=mode, tenant_wide=principal.tenant_wide)
+                                  after_prefix=after, documents=chunks, mode=mode, tenant_wide=principal.tenant_wide)
             req = prep.request
         else:
-            owner = principal.salt()  # everything after BOS is the tenant's and group's own: salt it
-            req = Request(suffix=tuple(suffix), prefix=tuple(head + after), chunks=chunks, chunk_salt=owner,
-                          salts=(SaltSpan(len(head), OPEN_END, owner),) if owner else ())
+            # everything after BOS is the tenant's and group's own: salted so
+            req = owned_request(head, suffix, after=after, chunks=chunks, owner=principal.salt())
         eng.validate(req, mode, opts.ratio, max_tokens)
         params = SamplingParams(max_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,

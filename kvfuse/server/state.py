@@ -90,3 +90,9 @@ class ServerState:
             raise ApiError(404, f"The knowledge base {name!r} does not exist or is not available to this key; "
                                 f"available: {served}.", param="kb", code="kb_not_found")
         return kb
+
+
+def of(request: Request) -> ServerState:
+    """The server state of the app that received the request (`create_app` keeps it on the app)."""
+    state: ServerState = request.app.state.kvfuse
+    return state

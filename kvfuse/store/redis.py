@@ -6,14 +6,12 @@ separate metadata key, which Redis could evict on its own: LMCache PR #426 was t
     b"KVFR" | u32 little-endian header length | header (JSON) | positions (int64, T) | K0 V0 K1 V1 ...
     [| residual (T, hidden)]
 
-The header holds the cache format version, the key, the model fingerprint, the dtype, the shape
-(layers, kv_heads, T, head_dim) and an xxh3-64 checksum of the positions and of each layer's K and V,
-as the disk tier keeps them; an entry with a residual stream (`kv.Residual`) also has `residual`:
-its layer, width and checksum. `open` reads the header and positions with one GETRANGE; each layer's K and
-V are then read with one GETRANGE as the loader asks (on its thread, pipelined behind the recompute) and
-checked against their checksums before use. A value that is not ours, was written by another model,
-is truncated, or vanishes between the lookup and a layer's read (evicted) is corrupt or missing: the
-entry is a miss and the request recomputes it.
+The value's format is `store.redis_value`'s: a header with checksums, then the positions and each
+layer's K and V, as the disk tier keeps them. `open` reads the header and positions with one GETRANGE;
+each layer's K and V are then read with one GETRANGE as the loader asks (on its thread, pipelined
+behind the recompute) and checked against their checksums before use. A value that is not ours, was
+written by another model, is truncated, or vanishes between the lookup and a layer's read (evicted) is
+corrupt or missing: the entry is a miss and the request recomputes it.
 
 Redis is a cache, never a dependency. Every call has a timeout (`timeout_s`, default 200 ms) and no
 retries. A refused connection, a timeout or any other error makes that call a miss, marks the tier down
@@ -32,40 +30,25 @@ renewed from a thread while its holder runs, so a holder that dies frees it afte
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import torch
-
-from kvfuse.kv import KVCache, Residual
+from kvfuse.kv import KVCache
 from kvfuse.store.base import CorruptEntryError, Remote, TierSettings, TierStats, register_tier
-from kvfuse.store.disk import _DTYPES, _digest
-from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
+from kvfuse.store.keys import CacheKey
+from kvfuse.store.redis_value import FIRST_READ, Down, RedisEntry, Refused, encode_entry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAGIC = b"KVFR"
-FIRST_READ = 16 << 10  # the first GETRANGE: the header and, for most entries, the positions
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
 DEFAULT_BULK_LIMIT = 512 << 20  # Redis's default proto-max-bulk-len
 LOCK_TTL_S = 30.0  # a dead holder frees the build lock after this long
 LOCK_WAIT_S = 600.0  # the longest a replica waits for another's build before building itself
-_DTYPE_BY_NAME = {dtype_name(d): d for d in _DTYPES.values()}
-
-
-class Down(Exception):
-    """The call failed or was not made (the tier is in its backoff after an error): a miss."""
-
-
-class Refused(Down):
-    """Redis answered with an error (a command it refuses, out of memory): a miss, but Redis is up."""
 
 
 class Backoff:
@@ -89,32 +72,6 @@ class Backoff:
 
     def ok(self) -> None:
         self._delay, self._until = 0.0, 0.0
-
-
-def encode_entry(key: CacheKey, cache: KVCache, model_fp: str) -> bytes:
-    """The value stored for an entry (see the module docstring)."""
-    k, v = cache.k.contiguous(), cache.v.contiguous()
-    pos = cache.positions.to(torch.int64).contiguous()
-    header = {
-        "format": CACHE_FORMAT_VERSION, "key": str(key), "model": model_fp, "dtype": dtype_name(k.dtype),
-        "shape": list(k.shape), "xxh3_positions": _digest(pos),
-        "xxh3_k": [_digest(k[i]) for i in range(k.shape[0])], "xxh3_v": [_digest(v[i]) for i in range(v.shape[0])],
-    }
-    r = cache.residual
-    hidden = r.hidden.to(k.dtype).contiguous() if r is not None else None
-    if r is not None and hidden is not None:
-        header["residual"] = {"layer": r.layer, "width": int(hidden.shape[1]), "xxh3": _digest(hidden)}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    parts = [MAGIC, struct.pack("<I", len(head)), head, _bytes(pos)]
-    for i in range(k.shape[0]):
-        parts += [_bytes(k[i]), _bytes(v[i])]
-    if hidden is not None:
-        parts.append(_bytes(hidden))
-    return b"".join(parts)
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 class RedisTier:
@@ -164,6 +121,11 @@ class RedisTier:
     def _rkey(self, key: CacheKey) -> str:
         return f"{self.namespace}{key}"
 
+    def reader(self, key: CacheKey) -> Callable[[int, int], bytes]:
+        """Reads bytes [start, end] of the key's value, one GETRANGE through `call` (Down when unavailable)."""
+        rkey = self._rkey(key)
+        return lambda start, end: self.call(lambda: self._client.getrange(rkey, start, end))
+
     # -- reads --------------------------------------------------------------------------------------
 
     def __contains__(self, key: CacheKey) -> bool:
@@ -181,7 +143,7 @@ class RedisTier:
             if not first:
                 self.stats.misses += 1
                 return None
-            entry = RedisEntry.parse(self, key, first)
+            entry = RedisEntry.parse(self.reader(key), key, first, self.model_fp)
         except Down:
             self.stats.misses += 1
             return None
@@ -204,7 +166,7 @@ class RedisTier:
             self.stats.misses += 1
             return None
         try:
-            cache = RedisEntry.parse(self, key, value).read_all(value)
+            cache = RedisEntry.parse(self.reader(key), key, value, self.model_fp).read_all(value)
         except CorruptEntryError as e:
             self.drop_corrupt(key, str(e))
             self.stats.misses += 1
@@ -327,140 +289,6 @@ class RedisTier:
                 self.call(lock.release)
             except Exception:  # expired or Redis away: it frees itself after its TTL
                 pass
-
-
-class RedisEntry:
-    """An opened Redis entry: header and positions checked; layers read (one GETRANGE each) and
-    checksum-verified as they are asked for."""
-
-    def __init__(self, tier: RedisTier, key: CacheKey, header: dict[str, Any], data_start: int,
-                 positions: torch.Tensor) -> None:
-        self.tier, self.key = tier, key
-        self.layers, heads, self.tokens, dim = (int(x) for x in header["shape"])
-        self.dtype = _DTYPE_BY_NAME[header["dtype"]]
-        self._shape = (heads, self.tokens, dim)
-        self._layer_bytes = heads * self.tokens * dim * self.dtype.itemsize
-        self._start = data_start
-        self._sum_k, self._sum_v = header["xxh3_k"], header["xxh3_v"]
-        self.positions = positions
-        r = header.get("residual")
-        self._residual: tuple[int, int, str] | None = (int(r["layer"]), int(r["width"]), str(r["xxh3"])) if r else None
-
-    @classmethod
-    def parse(cls, tier: RedisTier, key: CacheKey, first: bytes) -> RedisEntry:
-        """Check the value's head (`first`: its first bytes, or all of it) against the key and model."""
-        name = key[:12]
-        if first[:4] != MAGIC or len(first) < 8:
-            raise CorruptEntryError(f"{name}: not a kvfuse cache entry", key)
-        (n,) = struct.unpack("<I", first[4:8])
-        if n > FIRST_READ * 64:
-            raise CorruptEntryError(f"{name}: header length {n} is implausible", key)
-        head = first[8 : 8 + n] if len(first) >= 8 + n else tier.call(
-            lambda: tier._client.getrange(tier._rkey(key), 8, 8 + n - 1))
-        try:
-            header = json.loads(head)
-            layers, heads, tokens, dim = (int(x) for x in header["shape"])
-            dtype = header["dtype"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptEntryError(f"{name}: unreadable header ({e})", key) from e
-        if header.get("format") != CACHE_FORMAT_VERSION or header.get("key") != key:
-            raise CorruptEntryError(f"{name}: holds entry {str(header.get('key', '?'))[:12]} (format "
-                                    f"{header.get('format')}), not this key", key)
-        if tier.model_fp and header.get("model") != tier.model_fp:
-            raise CorruptEntryError(f"{name}: written by a different model", key)
-        if dtype not in _DTYPE_BY_NAME or len(header.get("xxh3_k", ())) != layers \
-                or len(header.get("xxh3_v", ())) != layers:
-            raise CorruptEntryError(f"{name}: header does not match its shape", key)
-        residual = header.get("residual")
-        if residual is not None and not (isinstance(residual, dict) and {"layer", "width", "xxh3"} <= residual.keys()):
-            raise CorruptEntryError(f"{name}: unreadable residual in its header", key)
-        start = 8 + n
-        end = start + tokens * 8
-        raw = first[start:end] if len(first) >= end else tier.call(
-            lambda: tier._client.getrange(tier._rkey(key), start, end - 1))
-        if len(raw) != tokens * 8:
-            raise CorruptEntryError(f"{name}: truncated (positions)", key)
-        positions = torch.frombuffer(bytearray(raw), dtype=torch.int64) if tokens else torch.empty(0, dtype=torch.int64)
-        if _digest(positions) != header.get("xxh3_positions"):
-            raise CorruptEntryError(f"{name}: checksum mismatch on positions", key)
-        del heads, dim
-        return cls(tier, key, header, end, positions)
-
-    def __len__(self) -> int:
-        return self.tokens
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.layers * self._layer_bytes + self._residual_bytes
-
-    @property
-    def _residual_bytes(self) -> int:
-        return self.tokens * self._residual[1] * self.dtype.itemsize if self._residual else 0
-
-    def _residual_span(self) -> tuple[int, int]:
-        start = self._start + 2 * self.layers * self._layer_bytes
-        return start, start + self._residual_bytes
-
-    def _span(self, i: int) -> tuple[int, int]:
-        start = self._start + 2 * i * self._layer_bytes
-        return start, start + 2 * self._layer_bytes
-
-    def _split(self, i: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(raw) != 2 * self._layer_bytes:
-            raise CorruptEntryError(f"{self.key[:12]}: truncated or gone (layer {i})", self.key)
-        if not raw:  # an entry of no tokens
-            empty = torch.empty(self._shape, dtype=self.dtype)
-            return empty, empty.clone()
-        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        k = buf[: self._layer_bytes].view(self.dtype).view(self._shape)
-        v = buf[self._layer_bytes :].view(self.dtype).view(self._shape)
-        if _digest(k) != self._sum_k[i] or _digest(v) != self._sum_v[i]:
-            raise CorruptEntryError(f"{self.key[:12]}: checksum mismatch on layer {i}", self.key)
-        return k, v
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer i, (kv_heads, T, head_dim) each, read now and verified. Redis unavailable or
-        the value gone mid-read: CorruptEntryError, so the request recomputes the chunk."""
-        start, end = self._span(i)
-        rkey = self.tier._rkey(self.key)
-        try:
-            raw = self.tier.call(lambda: self.tier._client.getrange(rkey, start, end - 1))
-        except Down:
-            raise CorruptEntryError(f"{self.key[:12]}: Redis became unavailable mid-read", self.key) from None
-        return self._split(i, raw)
-
-    def _hidden(self, raw: bytes) -> torch.Tensor:
-        assert self._residual is not None
-        if len(raw) != self._residual_bytes:
-            raise CorruptEntryError(f"{self.key[:12]}: truncated or gone (residual)", self.key)
-        hidden = torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.tokens, self._residual[1]) if raw \
-            else torch.empty(0, self._residual[1], dtype=self.dtype)
-        if _digest(hidden) != self._residual[2]:
-            raise CorruptEntryError(f"{self.key[:12]}: checksum mismatch on the residual", self.key)
-        return hidden
-
-    def residual_at(self, layer: int) -> torch.Tensor | None:
-        """(T, hidden) the tokens' input to that layer if the entry holds it, read now (one GETRANGE) and
-        verified; Redis unavailable mid-read: CorruptEntryError, as for a layer."""
-        if self._residual is None or self._residual[0] != layer:
-            return None
-        start, end = self._residual_span()
-        rkey = self.tier._rkey(self.key)
-        try:
-            raw = self.tier.call(lambda: self.tier._client.getrange(rkey, start, end - 1))
-        except Down:
-            raise CorruptEntryError(f"{self.key[:12]}: Redis became unavailable mid-read", self.key) from None
-        return self._hidden(raw)
-
-    def read_all(self, value: bytes) -> KVCache:
-        """Every layer (and the residual, if any) from the whole value, verified."""
-        expected = self._residual_span()[1]
-        if len(value) != expected:
-            raise CorruptEntryError(f"{self.key[:12]}: truncated or padded", self.key)
-        ks, vs = zip(*(self._split(i, value[slice(*self._span(i))]) for i in range(self.layers)), strict=True)
-        residual = Residual(self._residual[0], self._hidden(value[slice(*self._residual_span())])) \
-            if self._residual else None
-        return KVCache(torch.stack(ks), torch.stack(vs), self.positions, residual)
 
 
 def connect(url: str, timeout_s: float) -> Any:

@@ -19,28 +19,35 @@ from kvfuse.server.metrics import ARRIVED
 from kvfuse.server.planning import Planned, plan_request
 from kvfuse.server.routes.jobs import on_worker
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvfuse.server.state import ServerState
+from kvfuse.server.state import ServerState, of
 from kvfuse.server.worker import Job, QueueFull
 
 
 def router(state: ServerState) -> APIRouter:
+    """The routes below, each a named function of this module (the state is the app's: `of`)."""
+    del state  # every handler reads the app's own (`of`), the one `create_app` was given
     r = APIRouter()
-
-    @r.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        state.principal(request)
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0,
-                                            "owned_by": "kvfuse"}]}
-
-    @r.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(state, request, body, chat=False)
-
-    @r.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(state, request, body, chat=True)
-
+    r.add_api_route("/v1/models", models, methods=["GET"])
+    r.add_api_route("/v1/completions", completions, methods=["POST"])
+    r.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return r
+
+
+async def models(request: Request) -> dict[str, Any]:
+    """GET /v1/models: the one model this server serves."""
+    state = of(request)
+    state.principal(request)
+    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "kvfuse"}]}
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """POST /v1/completions: planned (`planning.plan_request`), then run by `_generate`."""
+    return await _generate(of(request), request, body, chat=False)
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """POST /v1/chat/completions: planned (`planning.plan_request`), then run by `_generate`."""
+    return await _generate(of(request), request, body, chat=True)
 
 
 async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,

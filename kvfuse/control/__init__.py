@@ -1,1 +1,0 @@
-"""The loading controller: its policy (`policy`) and the profile it is measured by (`profile`)."""
