@@ -16,7 +16,8 @@ ignored), 2 threads each, interleaved one of each per round; medians of the per-
 - **ms per token** at the CAG prompt's context (about 10k tokens): (answer time - TTFT) / (tokens - 1).
 kvfuse runs with drafts from the context (its default) and without (`nodraft`); acceptance rates are
 the drafted tokens kept. `--temperature T` makes kvfuse sample (seed 1, the same each round) where
-drafts are verified by the rejection rule (llama.cpp stays greedy: compare kvfuse's two rows there).
+drafts are verified by the rejection rule (llama.cpp stays greedy: compare kvfuse's rows there), and adds
+`fullhead` runs that sample from the whole float head instead of through the screen.
 Peak RSS is this process's (llama.cpp runs in a worker process of its own).
 """
 
@@ -135,9 +136,10 @@ def main() -> None:
     drafts: dict[str, list[float]] = {}
     same: dict[str, bool] = {}
 
-    def kv(name: str, r: Request, mode: str, draft: bool = True):  # type: ignore[no-untyped-def]
+    def kv(name: str, r: Request, mode: str, draft: bool = True, screen: bool = True):  # type: ignore[no-untyped-def]
         def run() -> float:
             engine.draft_tokens = 6 if draft else 0
+            engine.scheduler.screen_samples = screen
             g = engine.generate(r, mode, params=params)
             if draft:
                 drafts.setdefault(name, []).append(g.drafts.acceptance or 0.0)
@@ -160,6 +162,9 @@ def main() -> None:
            "kvfuse cag nodraft": kv("kvfuse cag nodraft", cag, "prefix", False),
            "llama quote": ll("llama quote", quote), "kvfuse quote": kv("kvfuse quote", quote, "prefix"),
            "kvfuse quote nodraft": kv("kvfuse quote nodraft", quote, "prefix", False)}
+    if args.temperature > 0:  # sampled through the screen (where it may) against the whole float head
+        fns |= {"kvfuse cag fullhead": kv("kvfuse cag fullhead", cag, "prefix", screen=False),
+                "kvfuse quote fullhead": kv("kvfuse quote fullhead", quote, "prefix", screen=False)}
     if not args.skip_rag:
         fns |= {"llama rag": ll("llama rag", rag, llama_rag), "kvfuse rag": kv("kvfuse rag", rag, DEFAULT_MODE)}
     for f in fns.values():  # warm up
@@ -187,6 +192,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     rows = [("cag", "kvfuse cag"), ("cag", "kvfuse cag nodraft"), ("quote", "kvfuse quote"),
             ("quote", "kvfuse quote nodraft")] + ([] if args.skip_rag else [("rag", "kvfuse rag")])
+    if args.temperature > 0:
+        rows += [("cag", "kvfuse cag fullhead"), ("quote", "kvfuse quote fullhead")]
     for scen, name in rows:
         ln = f"llama {scen}"
         acc = f"{sum(drafts[name]) / len(drafts[name]):.2f}" if name in drafts else "-"

@@ -15,31 +15,49 @@ bound falls below the best lower bound cannot be the argmax, so only the others 
 45 steps on MuSiQue prompts) are computed exactly, in float32.
 A final softcap is monotonic, so it does not change the argmax and is skipped.
 
-Two kernels can screen, and the bound follows the one used (`SCREENS`):
-- `w8a8` (where PyTorch has FBGEMM, the default): the input row is rounded to integers on its own scale
-  too, x_q = s round(x / s), and the products are summed exactly in int32 (`w8a8.py`), so
-  a_j = w'_j . x_q up to two float32 roundings: the bound's input term is ||w'_j|| ||x - x_q||, and the
-  output term |a_j| 2^-20. The input error is larger than bfloat16's, so more rows pass the screen
-  (each is a 2.5 KB read), but the screen reads the int8 head at memory speed at any row count.
-- `int8pack` (`torch._weight_int8pack_mm`, bfloat16 input and output): the bound above.
-Where neither kernel exists or the screen fails its probe, `GreedyHead.build` returns None and
-decoding keeps the plain float32 head.
+SAMPLED steps (temperature > 0, top_p 1) use the same bounds: every float32 logit l_j lies in
+[a_j - s_j, a_j + s_j], so u_j = cap(a_j + s_j) + adj_j bounds the adjusted logit v_j = cap(l_j) + adj_j
+(bias and penalties, added exactly) from above, and the largest cap(a_j - s_j) + adj_j bounds the top
+from below. The tokens whose bound reaches within NEAR * T of that floor are computed exactly (their
+rows of the float head); the rest keep their bounds. Rejection sampling: propose j with probability
+proportional to exp(v_j / T) for a near token and exp(u_j / T) for a far one; keep a near token, keep a
+far one with probability exp((v_j - u_j) / T) <= 1, else propose again. A kept token is distributed
+exactly as exp(v_j / T), normalised: the distribution `sampling.sample` draws from. The screen's
+bounds are loose (a few logits on Gemma 3), so this pays where the far tokens' bounds weigh little
+against the near tokens' mass and the near tokens are few: at temperatures up to SAMPLE_MAX_T (on
+Gemma 3 at 0.3 a median of 1,948 near tokens, at 0.7 17,529, at 1.0 74,041). Where the far bounds could
+weigh more than MAX_REST of the near mass, or more than MAX_NEAR tokens are near, the step reads the
+whole head instead, decided from the row's own numbers before any draw. The generator's draws differ
+from `sample`'s, so a seeded request's tokens are not the full head's, but the same seed gives the same
+tokens, alone or in a batch (each row is screened on its own).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kvfuse import w8a8
 from kvfuse.quant import QUANT_ROWS, dequantize, quantize_rows
+from kvfuse.sampling import SamplingParams, adjusted
 
 log = logging.getLogger(__name__)
 
 MARGIN = 1e-4  # relative, plus the same absolute: covers float32 rounding in the exact logits
 SCREENS = ("w8a8", "int8pack")  # the screen's kernels, in order of preference (see the module docstring)
+NEAR = 12.0  # a sampled step computes exactly the tokens whose bound reaches within this (over T) of the top
+MAX_REST = 0.1  # the most the far tokens' bounds may weigh against the near tokens' mass, else the whole head
+MAX_NEAR = 8192  # the most rows computed exactly (3% of Gemma 3's vocabulary), else the whole head
+SAMPLE_MAX_T = 0.5  # above this temperature the near tokens are too many on Gemma 3 (docs/benchmarks.md)
+
+
+def _cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The model's final softcap (`Decoder.logits`), where it has one: monotonic, so bounds stay bounds."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def default_screen() -> str | None:
@@ -100,16 +118,23 @@ class GreedyHead:
             return ints * s, 2.0**-20
         return xf.to(torch.bfloat16).float(), 2.0**-8
 
-    def candidates_rows(self, xs: torch.Tensor) -> list[torch.Tensor]:
-        """For each normed hidden state in xs (rows, hidden): the indices of the rows of the head whose
-        logit may be the largest. One screen serves all rows: the int8 head is read once."""
+    def bounds_rows(self, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For normed hidden states xs (rows, hidden): the screen's logits a and their slack s (rows, vocab
+        each), such that every float32 logit l lies in [a - s, a + s]. One screen serves all rows: the
+        int8 head is read once, and each row's numbers are its own (the input is rounded per row)."""
         approx = self.screen(xs)
         xf = xs.float()
         read, out_rounding = self._read(xf)
         x_norm = xf.norm(dim=1, keepdim=True)
         dx_norm = (xf - read).norm(dim=1, keepdim=True)
         slack = (self.err_norm + self.acc) * x_norm + self.row_norm * dx_norm
-        slack = slack + approx.abs() * (out_rounding + MARGIN) + MARGIN
+        return approx, slack + approx.abs() * (out_rounding + MARGIN) + MARGIN
+
+    def candidates_rows(self, xs: torch.Tensor,
+                        bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """For each normed hidden state in xs (rows, hidden): the indices of the rows of the head whose
+        logit may be the largest."""
+        approx, slack = bounds if bounds is not None else self.bounds_rows(xs)
         best_low = (approx - slack).amax(dim=1, keepdim=True)
         return [row.nonzero()[:, 0] for row in approx + slack >= best_low]
 
@@ -117,10 +142,11 @@ class GreedyHead:
         """Indices of the rows whose logit may be the largest, for one normed hidden state x (hidden,)."""
         return self.candidates_rows(x[None])[0]
 
-    def argmax_rows(self, xs: torch.Tensor) -> list[int]:
-        """For each normed hidden state in xs (rows, hidden), the index of its largest float32 logit."""
+    def argmax_rows(self, xs: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+        """For each normed hidden state in xs (rows, hidden), the index of its largest float32 logit
+        (`bounds`: the rows' `bounds_rows`, where the caller has them)."""
         out = []
-        for x, cand in zip(xs, self.candidates_rows(xs), strict=True):
+        for x, cand in zip(xs, self.candidates_rows(xs, bounds), strict=True):
             exact = F.linear(x[None], self.weight[cand])[0]
             out.append(int(cand[int(exact.argmax())]))
         return out
@@ -128,3 +154,36 @@ class GreedyHead:
     def argmax(self, x: torch.Tensor) -> int:
         """The index of the largest float32 logit w_j . x, reading the float32 head only for candidates."""
         return self.argmax_rows(x[None])[0]
+
+    def sample(self, x: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor], params: SamplingParams,
+               generator: torch.Generator | None = None, generated: Sequence[int] = (),
+               softcap: float | None = None) -> int | None:
+        """A token drawn from exactly the distribution `sampling.sample` draws from with top_p 1 (the
+        float32 logits, softcapped, adjusted, over the temperature), reading the float32 head only for
+        the tokens that can matter. `bounds` are x's row of `bounds_rows`. None, before any draw, where
+        the tokens left to their bounds could hold too much of the mass (a high temperature): then the
+        caller reads the whole head. See SAMPLED in the module docstring."""
+        approx, slack = bounds
+        t = params.temperature
+        adj = adjusted(torch.zeros_like(approx), params, generated)  # the bias and penalties, exactly added
+        upper = (_cap(approx + slack, softcap) + adj) / t  # >= every token's adjusted logit over t
+        floor = float(((_cap(approx - slack, softcap) + adj) / t).max())  # <= the largest one
+        near = upper >= floor - NEAR  # the tokens computed exactly; the rest stay at their upper bounds
+        cand = near.nonzero()[:, 0]
+        if cand.numel() > MAX_NEAR:
+            return None
+        exact = (_cap(F.linear(x[None].float(), self.weight[cand].float())[0], softcap) + adj[cand]) / t
+        rest = (~near).nonzero()[:, 0]
+        if rest.numel() and float(torch.logsumexp(upper[rest], 0) - torch.logsumexp(exact, 0)) > math.log(MAX_REST):
+            return None
+        # propose from exact weights for the near tokens and upper bounds for the rest; a near token is
+        # kept, a far one with probability exp(its exact value - its bound), else propose again
+        weights = torch.softmax(torch.cat((exact, upper[rest])), dim=-1)
+        while True:
+            j = int(torch.multinomial(weights, 1, generator=generator))
+            if j < cand.numel():
+                return int(cand[j])
+            tok = int(rest[j - cand.numel()])
+            value = (_cap(F.linear(x[None].float(), self.weight[tok : tok + 1].float())[0], softcap)[0] + adj[tok]) / t
+            if float(torch.rand(1, generator=generator)) < math.exp(min(0.0, float(value - upper[tok]))):
+                return tok

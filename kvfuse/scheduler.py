@@ -21,7 +21,7 @@ import torch
 
 from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
-from kvfuse.lmhead import GreedyHead
+from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
 from kvfuse.model import Decoder
 from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
 
@@ -35,6 +35,12 @@ def greedy(params: SamplingParams) -> bool:
     return params.temperature < MIN_TEMPERATURE and not params.adjusts
 
 
+def screened_sample(params: SamplingParams) -> bool:
+    """Whether a sampled request's tokens may be drawn through the screen (`GreedyHead.sample`): a low
+    temperature and no nucleus (its cut needs every probability)."""
+    return MIN_TEMPERATURE <= params.temperature <= SAMPLE_MAX_T and params.top_p >= 1.0
+
+
 class Scheduler:
     """Decoding for one model: the first token, drafts, batched steps. `screen` says whether the model's
     head is one the int8 screen may stand for (a float32 head on the CPU); `draft_tokens` is the longest
@@ -45,6 +51,7 @@ class Scheduler:
         self.model = model
         self._screen = functools.cache(screen)  # the model's precision and device do not change
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
+        self.screen_samples = True  # sampled steps at low temperatures draw through the screen too
         self.draft_tokens = draft_tokens
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # batch_limit's checked answer
@@ -68,10 +75,18 @@ class Scheduler:
     def first_token(self, pre: Prefilled, params: SamplingParams, gen: torch.Generator | None,
                     record_logits: bool) -> int:
         """The token after the prompt: the screen's argmax for a greedy request (once the screen is built,
-        so that no request pays for the build in its TTFT), else sampled from the prompt's logits."""
-        head = self._greedy_head if greedy(params) and not record_logits else None
-        if isinstance(head, GreedyHead):  # only the argmax is needed: the screen finds it without the float head
-            return head.argmax(self.model.norm(pre.fused.hidden[None])[0])
+        so that no request pays for the build in its TTFT), drawn through the screen for a sampled one
+        that may be, else sampled from the prompt's logits."""
+        head = self._greedy_head if not record_logits else None
+        if isinstance(head, GreedyHead):
+            x = self.model.norm(pre.fused.hidden[None])
+            if greedy(params):  # only the argmax is needed: the screen finds it without the float head
+                return head.argmax_rows(x)[0]
+            if self.screen_samples and screened_sample(params):
+                tok = head.sample(x[0], tuple(b[0] for b in head.bounds_rows(x)), params, gen, (),  # type: ignore[arg-type]
+                                  self.model.cfg.final_softcap)
+                if tok is not None:
+                    return tok
         return sample(pre.fused.logits, params, gen)
 
     def drafts_pay(self) -> bool:
@@ -115,19 +130,28 @@ class Scheduler:
             spans.append(range(at, at + 1 + len(draft)))
             at += 1 + len(draft)
         screened = [j for j, d in enumerate(live) if greedy(d.params) and d.steps is None]
-        head = self.greedy_head() if screened else None
+        drawn = [j for j, d in enumerate(live) if self.screen_samples and screened_sample(d.params) and d.steps is None]
+        head = self.greedy_head() if screened or drawn else None
         chosen: dict[int, int] = {}  # row -> its token
-        if head is not None:  # only the argmax is needed: screen the head, exactly, for all of them at once
+        bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> (x, a, s): a sampled row's
+        if head is not None:  # one screen of the head for every row that reads it
             picked = [r for j in screened for r in spans[j]]
-            chosen = dict(zip(picked, head.argmax_rows(self.model.norm(h[picked])), strict=True))
+            sampled = [r for j in drawn for r in spans[j]]
+            xs = self.model.norm(h[picked + sampled])
+            approx, slack = head.bounds_rows(xs)
+            n = len(picked)
+            # only the argmax is needed for a greedy row: the screen finds it exactly
+            chosen = dict(zip(picked, head.argmax_rows(xs[:n], (approx[:n], slack[:n])), strict=True))
+            bounds = {r: (xs[n + i], approx[n + i], slack[n + i]) for i, r in enumerate(sampled)}
         for j, d in enumerate(live):
             try:
-                d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen), drafts[j])
+                d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen, bounds, head), drafts[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
 
-    def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int],
-                chosen: dict[int, int]) -> list[int]:
+    def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int], chosen: dict[int, int],
+                bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                head: GreedyHead | None) -> list[int]:
         """The tokens the rows choose, up to the first that differs from the draft. A row that was not
         screened is sampled exactly as a one-token step samples it (its own logits, the tokens before
         it, one draw of the request's generator), and only once every draft token before it was taken.
@@ -139,8 +163,15 @@ class Scheduler:
         gets the very tokens it gets without drafts."""
         toks: list[int] = []
         for i, r in enumerate(rows):
+            drawn = None
+            if r in bounds and head is not None:  # drawn through the screen, where its bounds allow
+                x, approx, slack = bounds[r]
+                drawn = head.sample(x, (approx, slack), d.params, d.gen, [*d.tokens, *toks],
+                                    self.model.cfg.final_softcap)
             if r in chosen:
                 tok = chosen[r]
+            elif drawn is not None:
+                tok = drawn
             else:
                 logits = self.model.logits(h[r : r + 1])[0]
                 if d.steps is not None:
