@@ -244,6 +244,7 @@ def test_cli_default_precision_follows_the_cpu_flags(monkeypatch) -> None:
         p = argparse.ArgumentParser()
         model_flag(p)
         assert p.parse_args([]).precision == want and f"(default: {want})" in " ".join(p.format_help().split())
+    monkeypatch.undo()  # this machine's flags again: the cached default must be this CPU's, for later tests
     prec.default_precision.cache_clear()
     assert prec.DEFAULT_PRECISION == "fp32" and prec.default_precision() in prec.PRECISIONS
     assert isinstance(defaults.cpu_flags(), frozenset)
