@@ -13,7 +13,9 @@ GROUP = "support"
 
 
 def _show(a: Answer) -> None:
-    print(f"  answer: {a.answer!r}")
+    from kvfuse.kb.conflicts import answer_lines
+
+    print("  answer: " + answer_lines(repr(a.answer), a.conflicts))
     for c in a.citations:
         verdict = "SUPPORTS the answer" if c.supports else "does NOT support the answer"
         if c.state == "retrieved":

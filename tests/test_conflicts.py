@@ -64,7 +64,7 @@ def test_a_statement_about_another_period_or_plan_is_not_a_conflict(docs) -> Non
 
 def test_ask_prints_a_disputed_answer_as_disputed(docs) -> None:  # type: ignore[no-untyped-def]
     """Issue Q.3 in the terminal: `kvfuse ask` marks the answer and names the knowledge base's value."""
-    from kvfuse.cli.kb import answer_lines
+    from kvfuse.kb.conflicts import answer_lines
 
     found = find_conflicts(docs, CharTokenizer(), REFUND, "14 days.")
     out = answer_lines("14 days.", found)

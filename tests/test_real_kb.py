@@ -117,5 +117,7 @@ def test_the_demo_prints_the_checks_and_how_to_open_the_page(real_store, capsys)
     assert located  # each citation that points into a document says whether it supports the answer
     assert all("SUPPORTS the answer" in ln or "does NOT support the answer" in ln for ln in located)
     first = lines[next(i for i, ln in enumerate(lines) if ln.strip().startswith("answer:"))]
-    if "14 days" in first:
+    if "14 days" in first:  # flagged, and the answer itself printed as disputed, the kb's value beside it
         assert any(ln.strip().startswith("CONFLICT: team-terms states 30 days, not 14 days") for ln in lines)
+        assert "DISPUTED: '14 days." in first and any(
+            "the knowledge base says 30 calendar days (team-terms), not 14 days" in ln for ln in lines)

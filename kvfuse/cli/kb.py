@@ -6,12 +6,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.cli.args import fail as _fail
 from kvfuse.cli.args import model_flag, redis_flags, remote
+from kvfuse.kb.conflicts import answer_lines
 from kvfuse.runtime import bundled, open_engine, store_dir
 
 if TYPE_CHECKING:
@@ -220,16 +220,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
     print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
           f"cost {answer.cost_units['total']:.0f} units", file=sys.stderr)
     return 0
-
-
-def answer_lines(text: str, conflicts: Sequence[Any], color: bool = False) -> str:
-    """The answer as a person should read it: marked as disputed, with the knowledge base's value beside
-    it, when a passage states another value (in colour on a terminal)."""
-    if not conflicts:
-        return text
-    says = "; ".join(f"{x.found_text or x.found} ({x.doc_id}), not {x.stated}" for x in conflicts)
-    head = f"DISPUTED: {text}"
-    return (f"\033[1;33m{head}\033[0m" if color else head) + f"\n  the knowledge base says {says}"
 
 
 def citation_line(c: Any) -> str:

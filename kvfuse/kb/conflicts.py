@@ -157,6 +157,17 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
     return out
 
 
+def answer_lines(text: str, conflicts: Sequence[Conflict], color: bool = False) -> str:
+    """The answer as a person should read it in a terminal (`kvfuse ask`, the demo): marked as disputed,
+    with the knowledge base's value beside it, when a passage states another value (bold yellow with
+    `color`)."""
+    if not conflicts:
+        return text
+    says = "; ".join(f"{x.found_text or x.found} ({x.doc_id}), not {x.stated}" for x in conflicts)
+    head = f"DISPUTED: {text}"
+    return (f"\033[1;33m{head}\033[0m" if color else head) + f"\n  the knowledge base says {says}"
+
+
 def warm(kb: KBState) -> None:
     """Build every group's index (and load the embedding model) ahead of the first answer that needs it."""
     for group in kb.manifest.groups:
