@@ -29,7 +29,7 @@ from kvfuse.lmhead import GreedyHead
 from kvfuse.model import Decoder, RowPlan
 from kvfuse.policy import Decision
 from kvfuse.request import Generation, TokenCounts
-from kvfuse.sampling import SamplingParams
+from kvfuse.sampling import SamplingParams, TokenLogprob
 from kvfuse.store.tiered import StoreStats
 
 MIN_ROWS = 2  # a step runs at least this many rows: see the module docstring
@@ -215,6 +215,9 @@ class Decoding:
         self.context: Context | None = None  # the prompt and tokens so far, where drafts are proposed
         self.draft_len = DraftLength()
         self.drafts = DraftStats()
+        # each token's log-probability, where asked (`SamplingParams.logprobs`): one per token chosen, in
+        # order (a stop token's, not kept, is dropped at `close`)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
     def take(self, tok: int) -> None:
         if tok in self.stop:
@@ -256,5 +259,6 @@ class Decoding:
                 self.tokens, self.ttft, time.perf_counter() - self.t0, pre.counts, pre.fused.lazy_logits(),
                 self.finish_reason, pre.mode, pre.ratio, self.store, pre.controller,
                 torch.stack(self.steps).float() if self.steps else None, self.scored, pre.fuser, self.drafts,
+                self.logprobs[: len(self.tokens)] if self.logprobs is not None else None,
             )
         return self.result

@@ -31,7 +31,7 @@ from kvfuse.model import Decoder
 from kvfuse.policy import Controller, Decision
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
-from kvfuse.sampling import SamplingParams
+from kvfuse.sampling import SamplingParams, logprob_of
 from kvfuse.scheduler import Scheduler
 from kvfuse.selfcheck import check_fusion
 from kvfuse.store.base import Remote
@@ -305,6 +305,8 @@ class Engine:
             stop = set()
         first = self.scheduler.first_token(pre, params, gen, record_logits)
         d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
+        if d.logprobs is not None:  # the first token was drawn from the prompt's logits (`first_token`)
+            d.logprobs.append(logprob_of(pre.fused.logits, params, (), first))
         self.scheduler.open(d, req.ids)
         for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
             write()  # whether this one is still decoding or not

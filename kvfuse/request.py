@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfuse.drafts import DraftStats
+from kvfuse.sampling import TokenLogprob
 from kvfuse.store.keys import SaltRange
 from kvfuse.store.tiered import StoreStats
 
@@ -155,6 +156,7 @@ class Generation:
     scored_logits: torch.Tensor | None = None  # (len(score), vocab) teacher-forced logits, if asked
     fuser: str = ""  # the fuser with its options (`fuse.spec_of`: queryaware:behind=self); mode is its name
     drafts: DraftStats = field(default_factory=DraftStats)  # drafts from the context (`drafts.py`)
+    logprobs: list[TokenLogprob] | None = None  # per token, where asked (`SamplingParams.logprobs`)
 
     @property
     def first_logits(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 MIN_TEMPERATURE = 1e-4
 MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; -100 bans a token, +100 all but forces it
 MAX_PENALTY = 2.0  # and for presence_penalty and frequency_penalty
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     presence_penalty: float = 0.0  # subtracted once from each token already generated
     frequency_penalty: float = 0.0  # subtracted per time each token was already generated
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,6 +38,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
         for tok, bias in self.logit_bias:
             if tok < 0 or not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ValueError(f"logit_bias takes token ids >= 0 and biases between -{MAX_BIAS:g} and "
@@ -62,6 +66,27 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
         n = torch.tensor(list(counts.values()), dtype=torch.float32, device=out.device)
         out.index_add_(0, ids, -(n * params.frequency_penalty + params.presence_penalty))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the most likely alternatives', as (token id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob_of(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int], token: int) -> TokenLogprob:
+    """The token's log-probability under the distribution it was drawn from: the logits after
+    logit_bias and the penalties, over the temperature when it is above 0 (a greedy choice: at
+    temperature 1, as OpenAI reports it). top_p's cut is not applied: a token outside the nucleus keeps
+    its finite log-probability, though it is never drawn. Alternatives come sorted, most likely first."""
+    t = params.temperature if params.temperature >= MIN_TEMPERATURE else 1.0
+    lp = torch.log_softmax(adjusted(logits.float(), params, generated) / t, dim=-1)
+    top = torch.topk(lp, params.logprobs) if params.logprobs else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprob(token, float(lp[token]), pairs)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,

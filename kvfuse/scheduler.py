@@ -23,7 +23,7 @@ from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
 from kvfuse.model import Decoder
-from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, sample
+from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, logprob_of, sample
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class Scheduler:
         gets the very tokens it gets without drafts."""
         toks: list[int] = []
         for i, r in enumerate(rows):
+            logits: torch.Tensor | None = None
             drawn = None
             if r in bounds and head is not None:  # drawn through the screen, where its bounds allow
                 x, approx, slack = bounds[r]
@@ -177,6 +178,9 @@ class Scheduler:
                 if d.steps is not None:
                     d.steps.append(logits)
                 tok = sample(logits, d.params, d.gen, [*d.tokens, *toks])
+            if d.logprobs is not None:  # what it was drawn from (`sampling.logprob_of`), whichever way
+                logits = logits if logits is not None else self.model.logits(h[r : r + 1])[0]
+                d.logprobs.append(logprob_of(logits, d.params, [*d.tokens, *toks], tok))
             toks.append(tok)
             if i >= len(draft) or tok != draft[i]:
                 break

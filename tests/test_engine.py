@@ -365,3 +365,32 @@ def test_a_paused_prefill_decodes_exactly_as_a_quiet_one(tiny_engines, mode: str
     assert pauses["n"] >= e.cfg.num_layers - 1 and len(other.tokens) > 1
     assert paused.tokens == quiet.tokens and torch.equal(paused.first_logits, quiet.first_logits)
     assert paused.counts == quiet.counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
+                                    SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, seed=2,
+                                                   logprobs=5, logit_bias=((4, 3.0),), frequency_penalty=0.5),
+                                    SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.3, seed=1,
+                                                   logprobs=0)])
+def test_logprobs_are_the_distribution_each_token_was_drawn_from(tiny_engines, params: SamplingParams) -> None:
+    """Each token's logprob (and its alternatives, most likely first) is log_softmax of the recorded logits
+    after logit_bias and the penalties, over the temperature (greedy: 1); asking for them changes no
+    token, and the alternatives hold the chosen token where it is among the most likely."""
+    from kvfuse.sampling import adjusted
+
+    e = tiny_engines["gemma3"]
+    req = _request(5)
+    plain = e.generate(req, "full", params=replace(params, logprobs=None))
+    g = e.generate(req, "full", params=params)
+    oracle = e.generate(req, "full", params=replace(params, logprobs=None), record_logits=True)
+    assert g.tokens == plain.tokens == oracle.tokens and plain.logprobs is None
+    assert g.logprobs is not None and [x.token for x in g.logprobs] == g.tokens
+    t = params.temperature or 1.0
+    for i, (x, logits) in enumerate(zip(g.logprobs, oracle.step_logits, strict=True)):
+        lp = torch.log_softmax(adjusted(logits, params, g.tokens[:i]) / t, -1)
+        assert x.logprob == pytest.approx(float(lp[x.token]), abs=1e-5)
+        top = torch.topk(lp, params.logprobs or 0)
+        assert [tok for tok, _ in x.top] == top.indices.tolist() and len(x.top) == params.logprobs
+        assert [v for _, v in x.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

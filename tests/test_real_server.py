@@ -106,3 +106,17 @@ def test_the_page_on_the_real_model_flags_the_demo_conflict(server) -> None:
         page.wait_for_selector(".group-usage svg circle")
         page.screenshot(path=str(shots / "usage.png"))
         browser.close()
+
+
+def test_logprobs_on_the_real_model(server) -> None:
+    """Issue N.3 on Gemma 3 (SentencePiece tokens): a kb question's token texts make up its answer, with
+    their leading spaces, and a greedy token is its own most likely alternative."""
+    import openai
+
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="sk-test-support")
+    q = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+    r = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}], max_tokens=12,
+                                   temperature=0, logprobs=True, top_logprobs=5, extra_body={"kb": "albaran"})
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1 and "".join(c.token for c in content).strip() == r.choices[0].message.content.strip()
+    assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 5 for c in content)

@@ -410,7 +410,7 @@ def test_admins_edit_only_their_groups_and_bad_documents_change_nothing(own_srv)
 
 def test_unsupported_and_null_parameters(srv) -> None:
     with client(srv) as h:
-        r = h.post("/v1/completions", json={"prompt": "hi", "logprobs": 2, "max_tokens": 1})
+        r = h.post("/v1/completions", json={"prompt": "hi", "echo": True, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
         ok = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "temperature": None, "top_p": None,
                                              "n": None, "stream": None, "logprobs": None, "echo": False})
@@ -522,3 +522,52 @@ def test_the_bearer_scheme_is_case_insensitive(srv) -> None:
             r = h.get("/v1/models", headers={"Authorization": f"{scheme} sk-support-000"})
             assert r.status_code == 200, scheme
         assert h.get("/v1/models", headers={"Authorization": "Basic sk-support-000"}).status_code == 401
+
+
+def test_logprobs_in_openai_shapes_streamed_and_not(srv) -> None:
+    """Issue N.3: logprobs and top_logprobs through the real openai client, in chat and completions,
+    streamed and not: one entry per completion token, whose texts make up the text, alternatives sorted
+    (a greedy token is the most likely), offsets into the text; bad values get a 400 saying what to fix."""
+    import openai
+
+    oc = openai.OpenAI(base_url=srv[0] + "/v1", api_key="sk-support-000")
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and bytes(c.bytes).decode() == c.token and len(c.top_logprobs) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)  # greedy: the most likely one
+    parts = list(oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for p in parts if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]  # (the second reads the cached prompt)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    comp = oc.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs,
+                                                                                   strict=True))
+    chunks = list(oc.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0,
+                                        logprobs=2, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((g.tokens for g in got), []) == lp.tokens and sum((g.text_offset for g in got), []) == lp.text_offset
+    kb = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0.3, seed=1,
+                                    logprobs=True, top_logprobs=1, extra_body={"kb": "demo"})
+    assert len(kb.choices[0].logprobs.content) == kb.usage.completion_tokens == 4  # a kb request, sampled
+    assert all(len(c.top_logprobs) == 1 and c.logprob <= c.top_logprobs[0].logprob + 1e-6
+               for c in kb.choices[0].logprobs.content)
+    with client(srv) as h:
+        for body, path in (({"messages": msgs, "logprobs": True, "top_logprobs": 21}, "/v1/chat/completions"),
+                           ({"messages": msgs, "top_logprobs": 2}, "/v1/chat/completions"),
+                           ({"prompt": "hi", "logprobs": True}, "/v1/completions"),
+                           ({"prompt": "hi", "logprobs": 30}, "/v1/completions")):
+            r = h.post(path, json={**body, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_logprobs", (body, r.text)
+            assert "logprobs" in r.json()["error"]["message"]

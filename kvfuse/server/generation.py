@@ -15,6 +15,7 @@ from kvfuse.decode import Decoding
 from kvfuse.kb import answer
 from kvfuse.kb.quotes import Citation
 from kvfuse.request import Generation
+from kvfuse.sampling import TokenLogprob
 from kvfuse.server.planning import Planned
 from kvfuse.server.state import ServerState
 from kvfuse.text.deltas import TextDeltas
@@ -34,6 +35,7 @@ class Outcome:
     build_s: float = 0.0
     client_ttft_s: float = 0.0  # from the request's arrival to its first token: queue and planning included
     queue_s: float = 0.0  # from arrival to its start on the worker (a cold build before it included)
+    logprobs: list[TokenLogprob] | None = None  # the text's tokens', where asked
 
     @property
     def cached(self) -> int:
@@ -77,6 +79,7 @@ class Generating:
         self.p = p
         self.deltas = TextDeltas(state.tok, p.stops, lead_in=p.opts.question is not None)  # as `kvfuse ask`
         self.pieces: list[str] = []
+        self.lp_sent = 0  # tokens whose logprobs went out with a delta
         self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause)
         self.first_at = time.perf_counter()
         self.stepped()
@@ -94,10 +97,21 @@ class Generating:
             self._out(self.deltas.push(tokens[len(seen)]))
 
     def _out(self, delta: str) -> None:
+        """Keep a piece of text and stream it, with the logprobs of the tokens read since the last one
+        (where asked): ("delta", (text, [TokenLogprob], tokens before them))."""
         if delta:
             self.pieces.append(delta)
             if self.streaming:
-                self.emit("delta", delta)
+                entries, before = self._logprobs_since()
+                self.emit("delta", (delta, entries, before))
+
+    def _logprobs_since(self) -> tuple[list[TokenLogprob], list[int]]:
+        read, lps = len(self.deltas.ids), self.decoding.logprobs
+        if lps is None:
+            return [], []
+        before = self.decoding.tokens[: self.lp_sent]
+        entries, self.lp_sent = lps[self.lp_sent : read], read
+        return entries, before
 
     def abort(self) -> None:
         self.decoding.close()
@@ -118,7 +132,8 @@ class Generating:
                 citations, conflicts = answer.review(p.kb, p.prep, text, ask_model=p.opts.quote, tolerant=True)
             done = answer.finish(p.kb, p.prep, text, result, citations, p.built, p.built, conflicts=conflicts)
         out = Outcome(text, result, self._finish_reason(result), citations, cancelled, done, p.built, p.build_s,
-                      self.first_at - p.arrived, self.started - p.arrived)
+                      self.first_at - p.arrived, self.started - p.arrived,
+                      result.logprobs[: len(self.deltas.ids)] if result.logprobs is not None else None)
         c = result.counts
         self.state.metrics.observe(result.ttft_s + p.build_s, out.client_ttft_s, c.prompt, out.cached, c.recomputed,
                                    len(result.tokens))

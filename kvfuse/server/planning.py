@@ -13,6 +13,7 @@ from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
 from kvfuse.request import ModeUnavailableError, Ratio, Request, RequestError, owned_request
 from kvfuse.sampling import SamplingParams
+from kvfuse.server import logprobs as lp
 from kvfuse.server.auth import Principal
 from kvfuse.server.errors import ApiError
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest, KvfuseOptions
@@ -128,7 +129,11 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
             # everything after BOS is the tenant's and group's own: salted so
             req = owned_request(head, suffix, after=after, chunks=chunks, owner=principal.salt())
         eng.validate(req, mode, opts.ratio, max_tokens)
-        params = SamplingParams(max_tokens=max_tokens,
+        try:
+            logprobs = lp.count(body.logprobs, body.top_logprobs, chat)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="top_logprobs" if chat else "logprobs", code="invalid_logprobs") from None
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                 temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                                 stop_token_ids=tuple(stop_ids), logit_bias=_bias(body, eng.cfg.vocab_size),

@@ -94,9 +94,11 @@ class _Common(Body):
     documents: list[InputDocument] | None = Field(default=None, max_length=1024)
     kb: str | None = Field(default=None, max_length=128)
     kvfuse: KvfuseOptions | None = None
-    # accepted for compatibility, refused when they would change the output (see unsupported())
+    # chat: true or false, with top_logprobs 0..20; completions: the number of alternatives, 0..20
+    # (checked with a message in `server.logprobs.count`)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # accepted for compatibility, refused when they would change the output (see unsupported())
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -109,8 +111,6 @@ class _Common(Body):
 
     def unsupported(self) -> str | None:
         """The first parameter given that this server cannot honour, if any."""
-        if self.logprobs or self.top_logprobs:
-            return "logprobs"
         if self.echo:
             return "echo"
         if self.best_of is not None and self.best_of > 1:

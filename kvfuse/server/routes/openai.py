@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvfuse.kb import answer
+from kvfuse.server import logprobs as lp
 from kvfuse.server.errors import as_api_error, busy, error_body, route_of
 from kvfuse.server.generation import Generating, Outcome
 from kvfuse.server.metrics import ARRIVED
@@ -79,11 +80,14 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
         return StreamingResponse(_sse(state, job, planned, rid, created, chat, include_usage, path),
                                  media_type="text/event-stream")
     outcome = await _wait(job, request)
+    logprobs = None
+    if outcome.logprobs is not None:
+        logprobs = lp.chat(state.tok, outcome.logprobs) if chat else lp.completion(state.tok, outcome.logprobs)
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                                  "logprobs": None, "finish_reason": outcome.finish_reason}
+                                  "logprobs": logprobs, "finish_reason": outcome.finish_reason}
     else:
-        choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
+        choice = {"index": 0, "text": outcome.text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": state.model_id, "choices": [choice],
                          "usage": outcome.usage(), "kvfuse": outcome.kvfuse(planned)})
@@ -107,15 +111,17 @@ async def _wait(job: Job, request: Request) -> Outcome:
 async def _sse(state: ServerState, job: Job, p: Planned, rid: str, created: int, chat: bool, include_usage: bool,
                path: str) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    asked = p.params.logprobs is not None
+    sent = 0  # characters of the completion streamed so far (its text_offset)
 
     def chunk(delta: str | None, finish: str | None, extra: dict[str, Any] | None = None,
-              role: bool = False) -> str:
+              role: bool = False, logprobs: dict[str, Any] | None = None) -> str:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": delta} if delta is not None else {})
-            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
         body.update(extra or {})
         return f"data: {json.dumps(body)}\n\n"
@@ -125,7 +131,13 @@ async def _sse(state: ServerState, job: Job, p: Planned, rid: str, created: int,
             yield chunk(None, None, role=True)
         async for kind, value in job.stream():
             if kind == "delta":
-                yield chunk(value, None)
+                text, entries, before = value
+                logprobs = None
+                if asked:
+                    logprobs = lp.chat(state.tok, entries, before) if chat else lp.completion(
+                        state.tok, entries, before, sent)
+                sent += len(text)
+                yield chunk(text, None, logprobs=logprobs)
             elif kind == "done":
                 yield chunk(None, value.finish_reason, {"kvfuse": value.kvfuse(p)})
                 if include_usage:
