@@ -29,7 +29,7 @@ from kvfuse.lmhead import GreedyHead
 from kvfuse.model import Decoder, RowPlan
 from kvfuse.policy import Decision
 from kvfuse.request import Generation, TokenCounts
-from kvfuse.sampling import SamplingParams, TokenLogprob
+from kvfuse.sampling import SamplingParams, TokenConstraint, TokenLogprob, masked
 from kvfuse.store.tiered import StoreStats
 
 MIN_ROWS = 2  # a step runs at least this many rows: see the module docstring
@@ -200,7 +200,7 @@ class Decoding:
 
     def __init__(
         self, pre: Prefilled, params: SamplingParams, stop: set[int], gen: torch.Generator | None, t0: float,
-        ttft: float, store: StoreStats, record_logits: bool,
+        ttft: float, store: StoreStats, record_logits: bool, constraint: TokenConstraint | None = None,
     ) -> None:
         self.pre, self.params, self.stop, self.gen, self.t0, self.ttft = pre, params, stop, gen, t0, ttft
         self.store = store
@@ -208,7 +208,8 @@ class Decoding:
         self.done = False
         self.finish_reason = "length"
         self.slot: Slot | None = None
-        self.steps: list[torch.Tensor] | None = [pre.fused.logits] if record_logits else None
+        # the logits that chose each token (a grammar's mask applied, as it was when the token was chosen)
+        self.steps: list[torch.Tensor] | None = [masked(pre.fused.logits, constraint)] if record_logits else None
         self.scored: torch.Tensor | None = None
         self.result: Generation | None = None
         self.error: Exception | None = None
@@ -218,6 +219,7 @@ class Decoding:
         # each token's log-probability, where asked (`SamplingParams.logprobs`): one per token chosen, in
         # order (a stop token's, not kept, is dropped at `close`)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.constraint = constraint  # a grammar over the tokens, where the request has one
 
     def take(self, tok: int) -> None:
         if tok in self.stop:
@@ -227,6 +229,10 @@ class Decoding:
         if self.context is not None:
             self.context.extend((tok,))
         self.done = len(self.tokens) >= self.params.max_tokens
+        if self.constraint is not None:
+            self.constraint.advance(tok)
+            if self.constraint.finished():  # the grammar's answer is complete
+                self.done, self.finish_reason = True, "stop"
 
     def take_verified(self, chosen: Sequence[int], draft: Sequence[int]) -> int:
         """Take the tokens a draft's step chose (`chosen[r]` follows row r: the last token, then the draft)

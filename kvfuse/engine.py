@@ -31,7 +31,7 @@ from kvfuse.model import Decoder
 from kvfuse.policy import Controller, Decision
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
-from kvfuse.sampling import SamplingParams, logprob_of
+from kvfuse.sampling import SamplingParams, TokenConstraint, logprob_of, masked
 from kvfuse.scheduler import Scheduler
 from kvfuse.selfcheck import check_fusion
 from kvfuse.store.base import Remote
@@ -281,20 +281,22 @@ class Engine:
 
     def begin(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
               *, score: Sequence[int] | None = None, record_logits: bool = False,
-              pause: fuse.Pause = fuse.no_pause) -> Decoding:
+              pause: fuse.Pause = fuse.no_pause, constraint: TokenConstraint | None = None) -> Decoding:
         """Prefill a request, choose its first token and run its store writes; `advance` then moves it
         (with others) on, and `close()` returns its Generation.
 
         `pause` is called between pieces of the prefill (`fuse.core`): the server steps its running
-        requests there. It changes nothing computed, but its time counts in this request's TTFT."""
+        requests there. It changes nothing computed, but its time counts in this request's TTFT.
+        `constraint` (a grammar over the tokens) masks what may come next, at every token."""
         params = params or SamplingParams()
         return self._begin(req, self.validate(req, mode, ratio, params.max_tokens), ratio, params, score,
-                           record_logits, pause)
+                           record_logits, pause, constraint)
 
     @on_model_device
     @torch.inference_mode()
     def _begin(self, req: Request, fuser: Fuser, ratio: Ratio, params: SamplingParams,
-               score: Sequence[int] | None, record_logits: bool, pause: fuse.Pause = fuse.no_pause) -> Decoding:
+               score: Sequence[int] | None, record_logits: bool, pause: fuse.Pause = fuse.no_pause,
+               constraint: TokenConstraint | None = None) -> Decoding:
         t0 = time.perf_counter()
         before = self.store.stats.snapshot()
         pre = self._prefill(req, fuser, ratio, params.max_tokens, pause)
@@ -303,10 +305,10 @@ class Engine:
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.cfg.eos_token_ids)
         if params.ignore_eos:
             stop = set()
-        first = self.scheduler.first_token(pre, params, gen, record_logits)
-        d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits)
+        first = self.scheduler.first_token(pre, params, gen, record_logits, constraint)
+        d = Decoding(pre, params, stop, gen, t0, time.perf_counter() - t0, store_stats, record_logits, constraint)
         if d.logprobs is not None:  # the first token was drawn from the prompt's logits (`first_token`)
-            d.logprobs.append(logprob_of(pre.fused.logits, params, (), first))
+            d.logprobs.append(logprob_of(masked(pre.fused.logits, constraint), params, (), first))
         self.scheduler.open(d, req.ids)
         for write in pre.writeback:  # now, not at the end: a request started next finds what this one stored,
             write()  # whether this one is still decoding or not

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -68,6 +69,30 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
     return out
 
 
+class TokenConstraint(Protocol):
+    """What may come next, over token ids (a grammar compiled for the tokenizer, `server/grammar.py`):
+    the engine masks every other token before choosing, and tells it each token taken."""
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """(vocab,) bool: the tokens that may come next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The token was taken."""
+        ...
+
+    def finished(self) -> bool:
+        """Nothing more may follow: the answer is complete."""
+        ...
+
+
+def masked(logits: torch.Tensor, constraint: TokenConstraint | None) -> torch.Tensor:
+    """The logits with every token the constraint forbids at -inf (as they are, without one)."""
+    if constraint is None:
+        return logits
+    return logits.masked_fill(~constraint.allowed(logits.shape[-1]).to(logits.device), float("-inf"))
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A chosen token's log-probability and the most likely alternatives', as (token id, logprob)."""
@@ -85,7 +110,8 @@ def logprob_of(logits: torch.Tensor, params: SamplingParams, generated: Sequence
     t = params.temperature if params.temperature >= MIN_TEMPERATURE else 1.0
     lp = torch.log_softmax(adjusted(logits.float(), params, generated) / t, dim=-1)
     top = torch.topk(lp, params.logprobs) if params.logprobs else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    pairs = tuple((t, v) for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                  if v != float("-inf")) if top is not None else ()  # a grammar's forbidden tokens are no alternatives
     return TokenLogprob(token, float(lp[token]), pairs)
 
 

@@ -23,7 +23,7 @@ from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
 from kvfuse.model import Decoder
-from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, logprob_of, sample
+from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, TokenConstraint, logprob_of, masked, sample
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,12 @@ class Scheduler:
         return self._batch_limit
 
     def first_token(self, pre: Prefilled, params: SamplingParams, gen: torch.Generator | None,
-                    record_logits: bool) -> int:
+                    record_logits: bool, constraint: TokenConstraint | None = None) -> int:
         """The token after the prompt: the screen's argmax for a greedy request (once the screen is built,
         so that no request pays for the build in its TTFT), drawn through the screen for a sampled one
         that may be, else sampled from the prompt's logits."""
+        if constraint is not None:  # a grammar: the whole head, masked
+            return sample(masked(pre.fused.logits, constraint), params, gen)
         head = self._greedy_head if not record_logits else None
         if isinstance(head, GreedyHead):
             x = self.model.norm(pre.fused.hidden[None])
@@ -100,7 +102,7 @@ class Scheduler:
 
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
         """Let a request without recorded logits draft from its prompt and its own tokens."""
-        if self.draft_tokens > 0 and d.steps is None and self.drafts_pay():
+        if self.draft_tokens > 0 and d.steps is None and d.constraint is None and self.drafts_pay():
             d.context = Context(prompt, d.params.max_tokens)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
@@ -129,8 +131,10 @@ class Scheduler:
         for draft in drafts:
             spans.append(range(at, at + 1 + len(draft)))
             at += 1 + len(draft)
-        screened = [j for j, d in enumerate(live) if greedy(d.params) and d.steps is None]
-        drawn = [j for j, d in enumerate(live) if self.screen_samples and screened_sample(d.params) and d.steps is None]
+        # a request with a grammar reads the whole head, masked (`_verify`); the others may be screened
+        plain = [j for j, d in enumerate(live) if d.steps is None and d.constraint is None]
+        screened = [j for j in plain if greedy(live[j].params)]
+        drawn = [j for j in plain if self.screen_samples and screened_sample(live[j].params)]
         head = self.greedy_head() if screened or drawn else None
         chosen: dict[int, int] = {}  # row -> its token
         bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> (x, a, s): a sampled row's
@@ -174,7 +178,7 @@ class Scheduler:
             elif drawn is not None:
                 tok = drawn
             else:
-                logits = self.model.logits(h[r : r + 1])[0]
+                logits = masked(self.model.logits(h[r : r + 1])[0], d.constraint)
                 if d.steps is not None:
                     d.steps.append(logits)
                 tok = sample(logits, d.params, d.gen, [*d.tokens, *toks])

@@ -394,3 +394,47 @@ def test_logprobs_are_the_distribution_each_token_was_drawn_from(tiny_engines, p
         assert [v for _, v in x.top] == pytest.approx(top.values.tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+class _Allow:
+    """A toy grammar over ids: step i allows only `steps[i]`; finished after the last step."""
+
+    def __init__(self, steps: list[set[int]]) -> None:
+        self.steps, self.at = steps, 0
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        out = torch.zeros(vocab, dtype=torch.bool)
+        out[list(self.steps[self.at])] = True
+        return out
+
+    def advance(self, token: int) -> None:
+        assert token in self.steps[self.at], (token, self.steps[self.at])
+        self.at += 1
+
+    def finished(self) -> bool:
+        return self.at == len(self.steps)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])
+def test_a_constraint_masks_every_token_and_ends_the_answer(tiny_engines, temperature: float) -> None:
+    """Issue N.3's grammar mask, over token ids: greedy takes the best allowed token (the argmax of the
+    masked recorded logits), sampling never leaves the mask, logprobs name only allowed alternatives,
+    and the answer stops (finish "stop") when the grammar is complete; batched beside a plain request."""
+    e = tiny_engines["gemma3"]
+    steps = [{3, 5, 8}, {9}, {2, 4}, {6, 7, 10, 11}]
+    params = SamplingParams(max_tokens=10, temperature=temperature, seed=3, ignore_eos=True, logprobs=4)
+    req = _request(7)
+    d = e.begin(req, "full", None, params, constraint=_Allow(steps), record_logits=temperature == 0.0)
+    other = e.begin(req, "full", None, SamplingParams(max_tokens=10, ignore_eos=True))
+    while not (d.done and other.done):
+        e.advance([d, other])
+    g = d.close()
+    assert len(g.tokens) == len(steps) and g.finish_reason == "stop"
+    assert all(t in allowed for t, allowed in zip(g.tokens, steps, strict=True))
+    assert g.logprobs is not None and all({a for a, _ in x.top} <= allowed and len(x.top) == min(4, len(allowed))
+                                          for x, allowed in zip(g.logprobs, steps, strict=True))
+    if temperature == 0.0:  # the best allowed token of the recorded (masked) logits
+        assert g.step_logits is not None
+        assert g.tokens == [int(row.argmax()) for row in g.step_logits[: len(steps)]]
+    assert other.close().tokens == e.generate(req, "full", params=SamplingParams(max_tokens=10,
+                                                                                  ignore_eos=True)).tokens

@@ -11,6 +11,7 @@ from conftest import SHARED
 
 from kvfuse.engine import Engine
 from kvfuse.metrics import kl_divergence
+from kvfuse.precision import default_precision
 from kvfuse.text import Prompt, Tokenizer
 from kvfuse.weights import resolve_model_path
 
@@ -107,7 +108,7 @@ def test_cli_generate_json_in_every_mode(real, tmp_path, capsys) -> None:  # typ
         out = json.loads(capsys.readouterr().out)
         assert set(out) == {"answer", "mode", "fuser", "ratio", "precision", "ttft_s", "precompute_s", "tokens",
                             "first_token_top", "store", "controller"}
-        assert out["precision"] == "fp32"
+        assert out["precision"] == default_precision()  # the CLI's default follows the CPU
         assert set(out["store"]) == {"hits", "misses", "corrupt", "bytes_read", "tiers_used"}
         assert set(out["tokens"]) == {"prompt", "prefilled", "reused", "recomputed"}
         assert len(out["first_token_top"]) == 20 and out["ttft_s"] > 0

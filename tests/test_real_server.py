@@ -120,3 +120,49 @@ def test_logprobs_on_the_real_model(server) -> None:
     content = r.choices[0].logprobs.content
     assert len(content) >= 1 and "".join(c.token for c in content).strip() == r.choices[0].message.content.strip()
     assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 5 for c in content)
+
+
+def test_structured_answers_through_the_openai_client(server) -> None:
+    """Issue N.3 on the default model: `chat.completions.parse` with a Pydantic model returns a valid
+    object, on a kb question and on a plain one; a json_object answer parses, streamed too; an answer cut
+    by max_tokens mid-object says finish_reason "length"; logprobs name only tokens the grammar allows."""
+    import json
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Refund(BaseModel):
+        days: int = Field(ge=0, le=365)
+        annual: bool
+
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="sk-test-support")
+    q = "How many days does a Team plan customer have to ask for a refund on an annual renewal?"
+    kb = oc.chat.completions.parse(model="gemma3-270m", messages=[{"role": "user", "content": q}], max_tokens=40,
+                                   temperature=0, response_format=Refund, extra_body={"kb": "albaran"})
+    assert kb.choices[0].finish_reason == "stop" and isinstance(kb.choices[0].message.parsed, Refund)
+    plain = oc.chat.completions.parse(model="gemma3-270m", max_tokens=40, temperature=0.3, seed=2,
+                                      messages=[{"role": "user", "content": "Give a refund window as JSON."}],
+                                      response_format=Refund, logprobs=True, top_logprobs=3)
+    assert isinstance(plain.choices[0].message.parsed, Refund)
+    assert "".join(c.token for c in plain.choices[0].logprobs.content) == plain.choices[0].message.content
+    strict = {**Refund.model_json_schema(), "additionalProperties": False}  # as `parse` sends it
+    schema = {"type": "json_schema", "json_schema": {"name": "Refund", "schema": strict}}
+    streamed = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}],
+                                          max_tokens=40, temperature=0, response_format=schema, stream=True,
+                                          extra_body={"kb": "albaran"})
+    parts = list(streamed)
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    finish = [p.choices[0].finish_reason for p in parts if p.choices and p.choices[0].finish_reason]
+    assert Refund.model_validate_json(text) == kb.choices[0].message.parsed and finish == ["stop"]
+    cut = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}], max_tokens=3,
+                                     temperature=0, response_format=schema)  # `{"days":` alone takes more
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith('{"')
+    try:
+        json.loads(cut.choices[0].message.content)
+        raise AssertionError("three tokens closed the object")  # the cut is mid-object
+    except json.JSONDecodeError:
+        pass
+    anything = oc.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": q}],
+                                          max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":  # any object, closed by the grammar
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)

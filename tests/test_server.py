@@ -571,3 +571,21 @@ def test_logprobs_in_openai_shapes_streamed_and_not(srv) -> None:
             r = h.post(path, json={**body, "max_tokens": 1})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_logprobs", (body, r.text)
             assert "logprobs" in r.json()["error"]["message"]
+
+
+def test_response_format_is_checked_before_it_queues(srv) -> None:
+    """An invalid schema or type gets a 400 naming the problem; this test server's character tokenizer
+    cannot compile a grammar, and says so (the real model's tests run the grammar)."""
+    with client(srv) as h:
+        for fmt, words in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+                            "schema is invalid"),
+                           ({"type": "yaml"}, "not one of text, json_object, json_schema"),
+                           ({"type": "json_schema", "json_schema": "nope"}, "needs"),
+                           ({"type": "json_object"}, "cannot compile a grammar")):
+            r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "response_format": fmt, "max_tokens": 2})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (fmt, r.text)
+            assert r.json()["error"]["param"] == "response_format"
+        ok = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "response_format": {"type": "text"}, "max_tokens": 2})
+        assert ok.status_code == 200

@@ -80,7 +80,8 @@ class Generating:
         self.deltas = TextDeltas(state.tok, p.stops, lead_in=p.opts.question is not None)  # as `kvfuse ask`
         self.pieces: list[str] = []
         self.lp_sent = 0  # tokens whose logprobs went out with a delta
-        self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause)
+        self.decoding: Decoding = state.engine.begin(p.request, p.mode, p.ratio, p.params, pause=state.worker.pause,
+                                                     constraint=p.grammar)
         self.first_at = time.perf_counter()
         self.stepped()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfuse.fuse import default_mode
 from kvfuse.kb import answer
@@ -38,6 +39,7 @@ class Planned:
     built: int = 0  # knowledge-base prefix tokens computed for this request (a cold build before it)
     build_s: float = 0.0
     arrived: float = field(default_factory=time.perf_counter)  # when the request reached the server
+    grammar: Any = None  # response_format's `server.grammar.Grammar` (a sampling.TokenConstraint), if any
 
 
 def group_for(kb: KnowledgeBase, principal: Principal, wanted: str | None) -> str:
@@ -144,7 +146,22 @@ def plan_request(state: ServerState, body: CompletionRequest | ChatCompletionReq
     if opts.quote and (kb is None or not question.strip()):
         raise ApiError(400, "kvfuse.quote needs a kb and a text question.", param="kvfuse.quote")
     stops = body.stops() + (list(state.chat.stop_strings) if chat else [])
-    return Planned(req, mode, opts.ratio, params, stops, opts, question, kb, prep)
+    return Planned(req, mode, opts.ratio, params, stops, opts, question, kb, prep, grammar=_grammar(state, body))
+
+
+def _grammar(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> Any:
+    """The response_format's grammar over this model's tokens, or None for plain text; a 400 that says
+    what is wrong."""
+    from kvfuse.server.grammar import Grammar, grammar_for
+
+    try:
+        grammar = grammar_for(body.response_format)
+        hf = getattr(state.tok, "hf", None)
+        if grammar is not None and hf is None:
+            raise ValueError("this server's tokenizer cannot compile a grammar; response_format needs an HF one")
+        return Grammar(hf, grammar) if grammar is not None else None
+    except ValueError as e:
+        raise ApiError(400, str(e), param="response_format", code="invalid_response_format") from None
 
 
 def _bias(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -103,7 +103,7 @@ class _Common(Body):
     best_of: int | None = None
     suffix: str | None = None
     tools: list[dict] | None = None  # type: ignore[type-arg]
-    response_format: dict | None = None  # type: ignore[type-arg]
+    response_format: dict | None = None  # type: ignore[type-arg]  # text, json_object, json_schema (server.grammar)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024,
                                                 description="token id (as a string) -> bias, from -100 to 100")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -119,8 +119,6 @@ class _Common(Body):
             return "suffix"
         if self.tools:
             return "tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return None
 
     @field_validator("logit_bias")

@@ -42,6 +42,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face fast tokenizer underneath (what a grammar library compiles against)."""
+        return self._tok
+
     def token_text(self, token_id: int) -> str:
         return str(self._tok.convert_ids_to_tokens(token_id))
 
