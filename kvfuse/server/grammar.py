@@ -19,7 +19,7 @@ import torch
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # JSON laid out one way (", " and ": ", no other whitespace): a small model given free whitespace can
 # spend every token on it (measured: Gemma 3 270M filled 40 tokens with it, sampled at 0.3)
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 
 
 def grammar_for(response_format: dict[str, Any] | None) -> str | None:
