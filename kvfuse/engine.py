@@ -261,15 +261,17 @@ class Engine:
         self.scheduler.draft_tokens = n
 
     def stream(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
-               *, score: Sequence[int] | None = None, record_logits: bool = False) -> TokenStream:
+               *, score: Sequence[int] | None = None, record_logits: bool = False,
+               constraint: TokenConstraint | None = None) -> TokenStream:
         """Generate token ids one at a time; the stream's `result` holds timings and counts at the end.
 
         `score` is a continuation to teacher-force on the same prompt cache after the first token
         (its logits land in `result.scored_logits`; not part of TTFT); `record_logits` keeps the
-        logits of every generated step in `result.step_logits`."""
+        logits of every generated step in `result.step_logits`; `constraint` is a grammar (`begin`)."""
         params = params or SamplingParams()
         fuser = self.validate(req, mode, ratio, params.max_tokens)  # fails now, not at the first next()
-        return TokenStream(lambda out: self._generate(req, fuser, ratio, params, out, score, record_logits))
+        return TokenStream(lambda out: self._generate(req, fuser, ratio, params, out, score, record_logits,
+                                                      constraint))
 
     def generate(self, req: Request, mode: Mode = "full", ratio: Ratio = None, params: SamplingParams | None = None,
                  **extras: Any) -> Generation:
@@ -329,8 +331,9 @@ class Engine:
         return self.scheduler.batch_limit()
 
     def _generate(self, req: Request, fuser: Fuser, ratio: Ratio, params: SamplingParams, out: TokenStream,
-                  score: Sequence[int] | None, record_logits: bool) -> Generator[int, None, None]:
-        d = self._begin(req, fuser, ratio, params, score, record_logits)
+                  score: Sequence[int] | None, record_logits: bool,
+                  constraint: TokenConstraint | None = None) -> Generator[int, None, None]:
+        d = self._begin(req, fuser, ratio, params, score, record_logits, constraint=constraint)
         try:
             sent = 0
             while True:

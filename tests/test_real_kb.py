@@ -121,3 +121,17 @@ def test_the_demo_prints_the_checks_and_how_to_open_the_page(real_store, capsys)
         assert any(ln.strip().startswith("CONFLICT: team-terms states 30 days, not 14 days") for ln in lines)
         assert "DISPUTED: '14 days." in first and any(
             "the knowledge base says 30 calendar days (team-terms), not 14 days" in ln for ln in lines)
+
+
+def test_ask_answers_as_json_that_matches_a_schema(real_store, tmp_path, capsys) -> None:
+    """Issue N.3 from the CLI: `ask --json-schema FILE` answers the kb question as JSON that the schema
+    accepts (grammar-constrained, the server's response_format)."""
+    schema = {"type": "object", "properties": {"days": {"type": "integer"}, "annual": {"type": "boolean"}},
+              "required": ["days", "annual"], "additionalProperties": False}
+    f = tmp_path / "refund.json"
+    f.write_text(json.dumps(schema))
+    a = _run(capsys, "ask", "--kb", "albaran", "--store", str(real_store), "--json", "--no-quote",
+             "--json-schema", str(f), QUESTION)
+    obj = json.loads(a["answer"])
+    assert set(obj) == {"days", "annual"} and isinstance(obj["days"], int) and isinstance(obj["annual"], bool)
+    assert a["finish_reason"] == "stop"

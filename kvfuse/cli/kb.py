@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.cli.args import fail as _fail
-from kvfuse.cli.args import model_flag, redis_flags, remote
+from kvfuse.cli.args import model_flag, read, redis_flags, remote
 from kvfuse.kb.conflicts import answer_lines
 from kvfuse.runtime import bundled, open_engine, store_dir
 
@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS, help="answer length limit (a sentence with "
                                                                          "a number; JSON says finish_reason)")
     a.add_argument("--no-quote", action="store_true", help="skip the quote request")
+    a.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answer as JSON that matches this JSON Schema file (grammar-constrained, as the server's "
+                        "response_format); raise --max-tokens for larger objects")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     _common(a)
     a.set_defaults(func=cmd_ask)
@@ -196,13 +199,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
             index = Index.load(args.index)
         except RetrievalIndexError as e:
             raise _fail(e) from None
+    schema = _schema(args.json_schema) if args.json_schema else None
     kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args), args.device)
     group = _group(kb, args.group)
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []
         if ratio == "auto":
             attach_controller(kb.engine, kb.state_dir)
-        answer = kb.ask(args.question, group, args.tenant, chunks, ratio, args.max_tokens, quote=not args.no_quote)
+        grammar = _grammar(kb.tok, schema, args.json_schema) if schema is not None else None
+        answer = kb.ask(args.question, group, args.tenant, chunks, ratio, args.max_tokens, quote=not args.no_quote,
+                        constraint=grammar)
     except (KBError, RequestError, ModeUnavailableError, RetrievalIndexError) as e:
         raise _fail(e) from None
     finally:
@@ -220,6 +226,32 @@ def cmd_ask(args: argparse.Namespace) -> int:
     print(f"[{answer.mode}] ttft {answer.ttft_s:.3f}s, cached share {answer.cached_token_share:.1%}, "
           f"cost {answer.cost_units['total']:.0f} units", file=sys.stderr)
     return 0
+
+
+def _schema(path: str) -> str:
+    """The JSON Schema in the file as a grammar (`server.grammar`), checked before any model loads, or a
+    one-line error."""
+    from kvfuse.server.grammar import grammar_for
+
+    try:
+        schema = json.loads(read(path, "--json-schema"))
+        if not isinstance(schema, dict):
+            raise ValueError("it must hold a JSON object (a JSON Schema)")
+        grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    except ValueError as e:  # JSONDecodeError too
+        raise SystemExit(f"kvfuse: --json-schema {path}: {e}") from None
+    assert grammar is not None
+    return grammar
+
+
+def _grammar(tok: Any, grammar: str, path: str) -> Any:
+    """The grammar over the model's tokens, or a one-line error."""
+    from kvfuse.server.grammar import Grammar
+
+    try:
+        return Grammar(tok.hf, grammar)
+    except (ValueError, AttributeError) as e:
+        raise SystemExit(f"kvfuse: --json-schema {path}: {e}") from None
 
 
 def citation_line(c: Any) -> str:

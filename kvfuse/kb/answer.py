@@ -32,7 +32,7 @@ from kvfuse.kb.prefix import PrefixPlan
 from kvfuse.kb.quotes import Citation, find_quote, judge, looping, no_usable_quote, sentence_around, usable
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import Generation, Ratio, Request, Salt, owned_request
-from kvfuse.sampling import SamplingParams
+from kvfuse.sampling import SamplingParams, TokenConstraint
 from kvfuse.text.deltas import complete_answer
 from kvfuse.text.layout import chunk_text, question_text
 
@@ -163,10 +163,13 @@ def warm(kb: KBState, prep: Prepared, chunks: bool = True) -> tuple[int, float]:
 
 def ask(kb: KBState, question: str, group: str, tenant: str | None = None,
         passages: Sequence[IndexChunk] = (), ratio: Ratio = None, max_tokens: int = ANSWER_TOKENS,
-        quote: bool = True) -> Answer:
+        quote: bool = True, constraint: TokenConstraint | None = None) -> Answer:
+    """Prepare, warm, answer from the cached prefix (under `constraint`, a grammar, where given), cite,
+    finish."""
     prep = prepare(kb, question, group, tenant, passages, ratio)
     written, _ = warm(kb, prep)
-    stream = kb.engine.stream(prep.request, prep.mode, prep.ratio, SamplingParams(max_tokens=max_tokens))
+    stream = kb.engine.stream(prep.request, prep.mode, prep.ratio, SamplingParams(max_tokens=max_tokens),
+                              constraint=constraint)
     done = complete_answer(stream, kb.tok)
     assert stream.result is not None
     citations, conflicts = review(kb, prep, done.text, ask_model=quote)

@@ -20,6 +20,7 @@ from kvfuse.kb.prefix import PrefixPlan, plan_prefix
 from kvfuse.kb.state import KBState
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import Ratio
+from kvfuse.sampling import TokenConstraint
 from kvfuse.text.tokenizer import Tokenizer
 
 
@@ -45,8 +46,9 @@ class KnowledgeBase(KBState):
     # -- asking ------------------------------------------------------------------------------------
 
     def ask(self, question: str, group: str, tenant: str | None = None, chunks: Sequence[IndexChunk] = (),
-            ratio: Ratio = None, max_tokens: int = pipeline.ANSWER_TOKENS, quote: bool = True) -> pipeline.Answer:
-        return pipeline.ask(self, question, group, tenant, chunks, ratio, max_tokens, quote)
+            ratio: Ratio = None, max_tokens: int = pipeline.ANSWER_TOKENS, quote: bool = True,
+            constraint: TokenConstraint | None = None) -> pipeline.Answer:
+        return pipeline.ask(self, question, group, tenant, chunks, ratio, max_tokens, quote, constraint)
 
     # -- edits -------------------------------------------------------------------------------------
 
