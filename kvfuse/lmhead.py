@@ -130,23 +130,37 @@ class GreedyHead:
         slack = (self.err_norm + self.acc) * x_norm + self.row_norm * dx_norm
         return approx, slack + approx.abs() * (out_rounding + MARGIN) + MARGIN
 
-    def candidates_rows(self, xs: torch.Tensor,
-                        bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def candidates_rows(self, xs: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        allowed: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """For each normed hidden state in xs (rows, hidden): the indices of the rows of the head whose
-        logit may be the largest."""
+        logit may be the largest (of the tokens `allowed[i]`, a (vocab,) bool mask, where given: the
+        bounds hold for any subset, so a grammar's best token is screened as exactly)."""
         approx, slack = bounds if bounds is not None else self.bounds_rows(xs)
-        best_low = (approx - slack).amax(dim=1, keepdim=True)
-        return [row.nonzero()[:, 0] for row in approx + slack >= best_low]
+        low = approx - slack
+        if allowed is not None and any(m is not None for m in allowed):
+            low = low.clone()
+            for i, m in enumerate(allowed):
+                if m is not None:
+                    low[i].masked_fill_(~m, float("-inf"))
+        best_low = low.amax(dim=1, keepdim=True)
+        within = approx + slack >= best_low
+        if allowed is not None:
+            for i, m in enumerate(allowed):
+                if m is not None:
+                    within[i] &= m
+        return [row.nonzero()[:, 0] for row in within]
 
     def candidates(self, x: torch.Tensor) -> torch.Tensor:
         """Indices of the rows whose logit may be the largest, for one normed hidden state x (hidden,)."""
         return self.candidates_rows(x[None])[0]
 
-    def argmax_rows(self, xs: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+    def argmax_rows(self, xs: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    allowed: Sequence[torch.Tensor | None] | None = None) -> list[int]:
         """For each normed hidden state in xs (rows, hidden), the index of its largest float32 logit
-        (`bounds`: the rows' `bounds_rows`, where the caller has them)."""
+        (`bounds`: the rows' `bounds_rows`, where the caller has them; `allowed`: per row, the tokens
+        it may choose from, or None for all)."""
         out = []
-        for x, cand in zip(xs, self.candidates_rows(xs, bounds), strict=True):
+        for x, cand in zip(xs, self.candidates_rows(xs, bounds, allowed), strict=True):
             exact = F.linear(x[None], self.weight[cand])[0]
             out.append(int(cand[int(exact.argmax())]))
         return out

@@ -77,9 +77,12 @@ class Scheduler:
         """The token after the prompt: the screen's argmax for a greedy request (once the screen is built,
         so that no request pays for the build in its TTFT), drawn through the screen for a sampled one
         that may be, else sampled from the prompt's logits."""
-        if constraint is not None:  # a grammar: the whole head, masked
-            return sample(masked(pre.fused.logits, constraint), params, gen)
         head = self._greedy_head if not record_logits else None
+        if constraint is not None:  # a grammar: its best token screened, else the whole head, masked
+            if isinstance(head, GreedyHead) and greedy(params):
+                x = self.model.norm(pre.fused.hidden[None])
+                return head.argmax_rows(x, allowed=[constraint.allowed(self.model.cfg.vocab_size)])[0]
+            return sample(masked(pre.fused.logits, constraint), params, gen)
         if isinstance(head, GreedyHead):
             x = self.model.norm(pre.fused.hidden[None])
             if greedy(params):  # only the argmax is needed: the screen finds it without the float head
@@ -131,9 +134,10 @@ class Scheduler:
         for draft in drafts:
             spans.append(range(at, at + 1 + len(draft)))
             at += 1 + len(draft)
-        # a request with a grammar reads the whole head, masked (`_verify`); the others may be screened
+        # a greedy request with a grammar is screened among the tokens it allows; a sampled one reads
+        # the whole head, masked (`_verify`)
         plain = [j for j, d in enumerate(live) if d.steps is None and d.constraint is None]
-        screened = [j for j in plain if greedy(live[j].params)]
+        screened = [j for j, d in enumerate(live) if d.steps is None and greedy(d.params)]
         drawn = [j for j in plain if self.screen_samples and screened_sample(live[j].params)]
         head = self.greedy_head() if screened or drawn else None
         chosen: dict[int, int] = {}  # row -> its token
@@ -145,7 +149,10 @@ class Scheduler:
             approx, slack = head.bounds_rows(xs)
             n = len(picked)
             # only the argmax is needed for a greedy row: the screen finds it exactly
-            chosen = dict(zip(picked, head.argmax_rows(xs[:n], (approx[:n], slack[:n])), strict=True))
+            vocab = self.model.cfg.vocab_size
+            allowed = [c.allowed(vocab) if (c := live[j].constraint) is not None else None
+                       for j in screened for _ in spans[j]]  # (a grammar's request never drafts: one row)
+            chosen = dict(zip(picked, head.argmax_rows(xs[:n], (approx[:n], slack[:n]), allowed), strict=True))
             bounds = {r: (xs[n + i], approx[n + i], slack[n + i]) for i, r in enumerate(sampled)}
         for j, d in enumerate(live):
             try:
@@ -183,7 +190,7 @@ class Scheduler:
                     d.steps.append(logits)
                 tok = sample(logits, d.params, d.gen, [*d.tokens, *toks])
             if d.logprobs is not None:  # what it was drawn from (`sampling.logprob_of`), whichever way
-                logits = logits if logits is not None else self.model.logits(h[r : r + 1])[0]
+                logits = logits if logits is not None else masked(self.model.logits(h[r : r + 1])[0], d.constraint)
                 d.logprobs.append(logprob_of(logits, d.params, [*d.tokens, *toks], tok))
             toks.append(tok)
             if i >= len(draft) or tok != draft[i]:

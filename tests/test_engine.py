@@ -436,5 +436,8 @@ def test_a_constraint_masks_every_token_and_ends_the_answer(tiny_engines, temper
     if temperature == 0.0:  # the best allowed token of the recorded (masked) logits
         assert g.step_logits is not None
         assert g.tokens == [int(row.argmax()) for row in g.step_logits[: len(steps)]]
+        # and the same tokens where the screen picks them among the allowed ones (nothing recorded)
+        screened = e.generate(req, "full", params=replace(params, logprobs=None), constraint=_Allow(steps))
+        assert screened.tokens == g.tokens
     assert other.close().tokens == e.generate(req, "full", params=SamplingParams(max_tokens=10,
                                                                                   ignore_eos=True)).tokens

@@ -206,3 +206,20 @@ def test_sampled_steps_draw_through_the_screen_at_low_temperatures(tiny_engines,
     while not all(d.done for d in batch):
         e.advance(batch)
     assert batch[0].close().tokens == alone == e.generate(req, "prefix", params=p).tokens
+
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_screen_finds_the_best_allowed_token(kernel: str) -> None:
+    """A grammar's mask: the screened argmax among the allowed tokens is the float32 argmax of the
+    masked logits, row by row, a row without a mask untouched."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3000, 64, generator=g)
+    head = GreedyHead(w, kernel)
+    xs = torch.randn(4, 64, generator=g) * 3
+    exact = F.linear(xs, w)
+    masks = [torch.rand(3000, generator=g) < share for share in (0.5, 0.01, 0.001)] + [None]
+    got = head.argmax_rows(xs, allowed=masks)
+    for row, m, tok in zip(exact, masks, got, strict=True):
+        want = int(row.masked_fill(~m, float("-inf")).argmax()) if m is not None else int(row.argmax())
+        assert tok == want and (m is None or bool(m[tok]))

@@ -2,9 +2,10 @@
 (chosen over xgrammar: a small wheel with no torch of its own, one Rust call per mask, about 0.3 ms for
 Gemma 3's 262k tokens) into a grammar over the model's tokens, and given to the engine as a
 `sampling.TokenConstraint`: before each token the engine masks every token the grammar forbids, and
-the answer ends when the grammar is complete. A request with a grammar reads the whole float head
-(masked) at every token and does not draft, so the greedy screen and the drafts never pick a token the
-grammar forbids.
+the answer ends when the grammar is complete. A greedy request with a grammar is screened among the
+tokens it allows (`GreedyHead.argmax_rows(allowed=)`: the masked float32 argmax exactly), a sampled one
+reads the whole float head, masked; neither drafts. So neither the screen nor a draft ever picks a
+token the grammar forbids.
 """
 
 from __future__ import annotations
