@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import shutil
 import sys
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median_ratio, medians, musique_cases, musique_prompt  # noqa: E402
+from common import cpu_name, median_ratio, medians, musique_cases, musique_prompt  # noqa: E402
 from vs_llamacpp import LLAMA_CPP_VERSION, LlamaCpp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,8 +180,7 @@ def main() -> None:
     llama_rag.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     med = medians(times)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     print(f"\n{cpu}; torch {torch.__version__}, llama-cpp-python {LLAMA_CPP_VERSION}, 2 threads; precision "
           f"{args.precision}; {args.tokens} tokens; temperature {args.temperature}; {args.rounds} interleaved rounds; "
           f"CAG prompt {len(ids(cag))} "

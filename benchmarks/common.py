@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), written next to every figure."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
+                platform.processor())
 
 
 def musique_cases() -> list[dict[str, Any]]:

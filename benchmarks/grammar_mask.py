@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"days": {"type": "integer"}, "annual": {"type": "boolean"},
@@ -87,8 +90,7 @@ def main() -> None:
         if r:
             times.setdefault("mask per token", []).append((time.perf_counter() - t0) / max(1, len(g.tokens)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     print(f"{cpu}; torch {torch.__version__}; precision {precision}; 2 threads; {args.rounds} rounds; "
           f"JSON answer {tok.decode(json_tokens)!r}")
     print("\n| | ms per token |\n|---|---|")

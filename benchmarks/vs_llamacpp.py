@@ -67,17 +67,10 @@ GGML_FLAGS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F
               "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
 
 
-def cmake_args(cpu_flags: set[str]) -> str:
+def cmake_args(cpu_flags: frozenset[str] | set[str]) -> str:
     """llama.cpp's CMake options for a CPU with these /proc/cpuinfo flags: its AVX levels, no AMX."""
     on = " ".join(f"-D{opt}={'ON' if flag in cpu_flags else 'OFF'}" for opt, flag in GGML_FLAGS.items())
     return f"-DGGML_NATIVE=OFF {on} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-
-
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def setup() -> None:
@@ -85,6 +78,8 @@ def setup() -> None:
 
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+    from kvfuse.defaults import cpu_flags
+
     env = dict(os.environ, CMAKE_ARGS=cmake_args(cpu_flags()), FORCE_CMAKE="1")
     print("CMAKE_ARGS=" + env["CMAKE_ARGS"], flush=True)
     subprocess.run(pip + ["numpy", "--no-cache-dir", f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)

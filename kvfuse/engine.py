@@ -253,7 +253,7 @@ class Engine:
 
     @property
     def draft_tokens(self) -> int:
-        """The longest draft from the context a greedy step verifies (0: no drafts)."""
+        """The longest draft from the context a step verifies (0: no drafts; `Scheduler.drafts_pay`)."""
         return self.scheduler.draft_tokens
 
     @draft_tokens.setter

@@ -1,10 +1,12 @@
 """The decoding scheduler: how running requests move on once their prompt is in the cache. Token ids only.
 
 `Scheduler` owns what happens after a prefill: choosing a request's first token (`first_token`),
-giving a greedy request its drafts from the context (`open`), and stepping running requests together
-(`advance`): in groups of at most the checked batch limit (`batch_limit`, `decode.batch_limit`), the
-greedy ones screened through the int8 copy of the LM head (`greedy_head`, `lmhead.GreedyHead`) and
-verifying their drafts in the rows their group leaves free (`drafts.py`), the others sampled. Whatever
+giving a request its drafts from the context (`open`), and stepping running requests together
+(`advance`): in groups of at most the checked batch limit (`batch_limit`, `decode.batch_limit`), each
+verifying its draft in the rows its group leaves free (`drafts.py`); greedy rows screened through the
+int8 copy of the LM head (`greedy_head`, `lmhead.GreedyHead`, among a grammar's allowed tokens where
+there is one), sampled ones at low temperatures drawn through it (`GreedyHead.sample`), the others from
+the whole head. Whatever
 the grouping and the drafts, each request gets exactly the tokens it would get stepped alone.
 
 The engine builds the prefill (`Engine.begin`) and hands the `Decoding` over; the server's worker and
@@ -44,7 +46,7 @@ def screened_sample(params: SamplingParams) -> bool:
 class Scheduler:
     """Decoding for one model: the first token, drafts, batched steps. `screen` says whether the model's
     head is one the int8 screen may stand for (a float32 head on the CPU); `draft_tokens` is the longest
-    draft a greedy step verifies (0: no drafts)."""
+    draft a step verifies (0: no drafts)."""
 
     def __init__(self, model: Decoder, screen: Callable[[], bool], greedy_screen: bool = True,
                  draft_tokens: int = DRAFT_TOKENS) -> None:

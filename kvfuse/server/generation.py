@@ -16,6 +16,7 @@ from kvfuse.kb import answer
 from kvfuse.kb.quotes import Citation
 from kvfuse.request import Generation
 from kvfuse.sampling import TokenLogprob
+from kvfuse.server import logprobs as lp
 from kvfuse.server.planning import Planned
 from kvfuse.server.state import ServerState
 from kvfuse.text.deltas import TextDeltas
@@ -110,7 +111,7 @@ class Generating:
         read, lps = len(self.deltas.ids), self.decoding.logprobs
         if lps is None:
             return [], []
-        before = self.decoding.tokens[: self.lp_sent]
+        before = self.decoding.tokens[max(0, self.lp_sent - lp.CONTEXT) : self.lp_sent]  # what their texts need
         entries, self.lp_sent = lps[self.lp_sent : read], read
         return entries, before
 

@@ -42,12 +42,17 @@ def count(logprobs: bool | int | None, top_logprobs: int | None, chat: bool) -> 
     return n
 
 
-def _piece(tok: Any, before: Sequence[int], token: int) -> str:
-    """What `token` adds to the text of `before` (the last CONTEXT of them)."""
-    ctx = list(before[-CONTEXT:])
-    head = tok.decode(ctx) if ctx else ""
-    full = tok.decode([*ctx, token])
-    return full[len(head):] if full.startswith(head) else tok.decode([token])
+class _At:
+    """One position: the last CONTEXT tokens before it, decoded once for the token and its alternatives."""
+
+    def __init__(self, tok: Any, before: Sequence[int]) -> None:
+        self.tok, self.ctx = tok, list(before[-CONTEXT:])
+        self.head = tok.decode(self.ctx) if self.ctx else ""
+
+    def piece(self, token: int) -> str:
+        """What `token` adds to the text before it."""
+        full = self.tok.decode([*self.ctx, token])
+        return full[len(self.head) :] if full.startswith(self.head) else self.tok.decode([token])
 
 
 def _bytes(text: str) -> list[int]:
@@ -58,10 +63,11 @@ def chat(tok: Any, entries: Sequence[TokenLogprob], before: Sequence[int] = ()) 
     """The chat shape for these tokens, which follow `before` (the answer's earlier tokens)."""
     ids, content = list(before), []
     for e in entries:
-        text = _piece(tok, ids, e.token)
+        at = _At(tok, ids)
+        text = at.piece(e.token)
         alts = []
         for t, v in e.top:
-            alt = text if t == e.token else _piece(tok, ids, t)
+            alt = text if t == e.token else at.piece(t)
             alts.append({"token": alt, "logprob": v, "bytes": _bytes(alt)})
         content.append({"token": text, "logprob": e.logprob, "bytes": _bytes(text), "top_logprobs": alts})
         ids.append(e.token)
@@ -74,13 +80,14 @@ def completion(tok: Any, entries: Sequence[TokenLogprob], before: Sequence[int] 
     starts in the completion's text."""
     ids, tokens, offsets, tops = list(before), [], [], []
     for e in entries:
-        text = _piece(tok, ids, e.token)
+        at = _At(tok, ids)
+        text = at.piece(e.token)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
         top: dict[str, float] = {}
         for t, v in e.top:
-            top.setdefault(text if t == e.token else _piece(tok, ids, t), v)
+            top.setdefault(text if t == e.token else at.piece(t), v)
         tops.append(top)
         ids.append(e.token)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
