@@ -123,6 +123,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     for part in precision_parts(cfg):
         if by_rows(cfg, part, precision):
             convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision)
+            return_freed_memory()
             continue
         state = _read_part(index, part, dtype)
         stack_checkpoint(state)
@@ -132,10 +133,11 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
         convert_part(model, part, precision)
+        # each part frees a float copy of every weight it converts or stacks (10-20 MB a layer of an int8
+        # load, 200-300 MB in all) that glibc would otherwise keep in its heap: the peak would grow with
+        # the depth, where given back after each part it stays near the largest part
+        return_freed_memory()
     model.eval().requires_grad_(False)
-    # loading frees a float copy of every weight it converts or stacks: 200-300 MB of an int8 load's
-    # RSS that glibc would otherwise keep in its heap
-    return_freed_memory()
     return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
                        precision=precision)
 
