@@ -31,10 +31,7 @@ class Opened:
     engine: Engine
     tok: Tokenizer
     model_path: Path
-
-    @property
-    def model_id(self) -> str:
-        return self.model_path.name
+    model_id: str  # what clients name it: the packaged name, the checkpoint dir's or the GGUF file's name
 
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
@@ -54,7 +51,8 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
     tok = Tokenizer(path)  # first: parsing its file takes a few hundred MB for a moment, before the weights are in
     engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv,
                          device=device)
-    return Opened(engine, tok, path)
+    gguf = model is not None and Path(model).suffix.lower() == ".gguf"
+    return Opened(engine, tok, path, Path(str(model)).stem if gguf else path.name)
 
 
 def attach_controller(engine: Engine, store: Path | None, measure: bool = True, floor: float = DEFAULT_FLOOR,

