@@ -38,6 +38,7 @@ from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+SCREENED = ("fp32", "bf16", "groups")  # precisions whose LM head is float32: greedy steps screen it
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -85,8 +86,8 @@ class Engine:
         self.controller: Controller | None = None  # set one to enable ratio "auto" and decisions
         self._rotate = rotate
         # decoding: the first token, drafts from the context, batched steps (`scheduler.py`); the int8
-        # screen's bound is for a float32 head on the CPU (fp32's and bf16's; int8's head is int8 itself)
-        self.scheduler = Scheduler(model, lambda: self.precision in ("fp32", "bf16") and model.device.type == "cpu",
+        # screen's bound is for a float32 head on the CPU (fp32's, bf16's and groups'; int8's head is int8)
+        self.scheduler = Scheduler(model, lambda: self.precision in SCREENED and model.device.type == "cpu",
                                    greedy_screen, draft_tokens)
         self.blend_error: str | None = self._self_check() if self_check else None
         if self.blend_error:

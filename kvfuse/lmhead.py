@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse import w8a8
+from kvfuse.groups import GroupTable
 from kvfuse.quant import QUANT_ROWS, dequantize, quantize_rows
 from kvfuse.sampling import SamplingParams, adjusted
 
@@ -67,7 +68,7 @@ def default_screen() -> str | None:
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor, kernel: str = "int8pack") -> None:
+    def __init__(self, weight: torch.Tensor | GroupTable, kernel: str = "int8pack") -> None:
         if kernel not in SCREENS:
             raise ValueError(f"unknown screen kernel {kernel!r}; choose one of {', '.join(SCREENS)}")
         self.weight = weight  # (vocab, hidden): the exact head, read only for candidates
@@ -88,7 +89,7 @@ class GreedyHead:
             self.q = self.q[:0]
 
     @classmethod
-    def build(cls, weight: torch.Tensor, kernel: str | None = None) -> GreedyHead | None:
+    def build(cls, weight: torch.Tensor | GroupTable, kernel: str | None = None) -> GreedyHead | None:
         """The screen for a (vocab, hidden) head (on `kernel`, else the best one here), or None where this
         PyTorch cannot run one."""
         kernel = kernel or default_screen()
@@ -97,7 +98,8 @@ class GreedyHead:
         try:
             head = cls(weight, kernel)
             x = torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-            want = int(F.linear(x[None], weight)[0].argmax())
+            want = int(torch.cat([F.linear(x[None], weight[at : at + QUANT_ROWS])[0]
+                                  for at in range(0, weight.shape[0], QUANT_ROWS)]).argmax())
             if head.argmax(x) != want:
                 raise RuntimeError("the int8 screen disagreed with the float32 head on a probe")
         except (RuntimeError, NotImplementedError) as e:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfuse.config import ModelConfig, RopeSpec
+from kvfuse.groups import GroupEmbedding, GroupLinear, GroupTable
 from kvfuse.packed import PackedLinear
 from kvfuse.quant import Int8Embedding, Int8Linear
 from kvfuse.rope import apply_rope, rope_cos_sin
@@ -86,7 +87,7 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
 
 def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of a linear layer's output alone (the q, or the k and v, of a stacked projection)."""
-    if isinstance(layer, Int8Linear | PackedLinear | W8A8Linear):  # converted layers, packed in parts
+    if isinstance(layer, Int8Linear | PackedLinear | W8A8Linear | GroupLinear):  # converted layers, in parts
         return layer.linear_rows(x, lo, hi)
     assert isinstance(layer, nn.Linear)
     return F.linear(x, layer.weight[lo:hi], None if layer.bias is None else layer.bias[lo:hi])
@@ -361,9 +362,12 @@ class Decoder(nn.Module):
             keys, values, k_pos = k, v, pos
         return self.finish(i, h, self.attend(i, q, pos, keys, values, k_pos)), k, v
 
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's (vocab, hidden) float weight: the embeddings when they are tied."""
+    def head_weight(self) -> torch.Tensor | GroupTable:
+        """The LM head's (vocab, hidden) float weight: the embeddings when they are tied (a table in
+        groups: its rows, dequantised as they are read)."""
         head = self.embed_tokens if self.cfg.tie_embeddings else self.lm_head
+        if isinstance(head, GroupEmbedding | GroupLinear):
+            return head.table()
         if not isinstance(head, nn.Embedding | nn.Linear):
             raise TypeError("an int8 model's LM head has no float weight")
         return head.weight
@@ -372,7 +376,7 @@ class Decoder(nn.Module):
         """The LM head alone on normed hidden states: (T, hidden) -> (T, vocab) in the compute dtype."""
         if not self.cfg.tie_embeddings:
             return cast(torch.Tensor, self.lm_head(x))
-        if isinstance(self.embed_tokens, Int8Embedding):  # an int8 table is its own head (w8a8's too)
+        if isinstance(self.embed_tokens, Int8Embedding | GroupEmbedding):  # its own head (w8a8's, groups' too)
             return self.embed_tokens.linear(x)
         return F.linear(x, self.embed_tokens.weight)
 

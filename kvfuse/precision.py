@@ -18,6 +18,12 @@
   int8 at every row count, prefill included. Norms, attention, the residual stream and the KV stay
   float32.
 
+- `groups`: the checkpoint's own quantisation groups (`groups.py`): a GGUF's blocks (Q8_0, Q4_0/1,
+  Q5_0/1, Q4_K, Q5_K, Q6_K) held exactly as int8 values with a float32 scale (and offset) per group of
+  16 or 32 inputs, other weights quantised to 8-bit groups of 32. Products dequantise a slice of rows
+  and run in float32, so on a GGUF's checkpoint it computes fp32's function in 1.25-1.5 bytes a weight
+  (no kernel reads such groups at memory speed here: it is slower than fp32, docs/benchmarks.md).
+
 A precision is part of the model fingerprint (`fingerprint`), so caches, profiles and calibrations of
 different precisions never mix; fp32 keeps the plain checkpoint fingerprint.
 """
@@ -30,16 +36,17 @@ from typing import TYPE_CHECKING
 from kvfuse.defaults import cpu_flags
 
 if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads the names without it
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     import torch
     from torch import nn
 
     from kvfuse.config import ModelConfig
+    from kvfuse.groups import Groups
     from kvfuse.model import Decoder
     from kvfuse.quant import Rows
 
-PRECISIONS = ("fp32", "bf16", "int8", "w8a8")
+PRECISIONS = ("fp32", "bf16", "int8", "w8a8", "groups")
 # the oracle every other precision is measured against, and the library's default (`Engine.load`,
 # `load_model`); the CLI's default follows the CPU (`default_precision`)
 DEFAULT_PRECISION = "fp32"
@@ -61,7 +68,10 @@ def default_precision() -> str:
     """The CLI's default precision on this CPU (`CPU_DEFAULTS`); torch is not imported."""
     flags = cpu_flags()
     return next((precision for flag, precision in CPU_DEFAULTS if flag in flags), DEFAULT_PRECISION)
-LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32"}  # all round from float
+
+
+# every precision rounds from a float32 checkpoint
+LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32", "groups": "float32"}
 
 
 def check(precision: str) -> str:
@@ -81,7 +91,7 @@ def check(precision: str) -> str:
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
 # activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32")
-TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32", "w8a8": "-w8a8"}
+TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -107,18 +117,45 @@ def by_rows(cfg: ModelConfig, part: str, precision: str) -> bool:
     """Whether this part is converted from its weight's rows, read a block at a time (`convert_rows`),
     rather than loaded whole: int8's tied table. Gemma 3's is 671 MB in float32 against 168 MB in int8,
     and reading it whole would add the float table to an int8 load's peak memory."""
-    return precision in ("int8", "w8a8") and part == "embed_tokens" and cfg.tie_embeddings
+    return precision in ("int8", "w8a8", "groups") and part == "embed_tokens" and cfg.tie_embeddings
 
 
-def convert_rows(model: Decoder, part: str, rows: Rows, precision: str = "int8") -> None:
-    """Put the converted part of `by_rows` in the model, from its weight's rows."""
+def convert_rows(model: Decoder, part: str, rows: Rows, precision: str = "int8",
+                 blocks: Mapping[str, Groups] | None = None) -> None:
+    """Put the converted part of `by_rows` in the model, from its weight's rows (`groups`: from the
+    checkpoint's own blocks where `blocks` has them)."""
+    from kvfuse.groups import GroupEmbedding, quantize
     from kvfuse.quant import Int8Embedding
     from kvfuse.w8a8 import W8A8Embedding
 
+    if precision == "groups":
+        own = (blocks or {}).get(f"{part}.weight")
+        setattr(model, part, GroupEmbedding(own if own is not None else quantize(rows)))
+        return
     setattr(model, part, W8A8Embedding(rows) if precision == "w8a8" else Int8Embedding(rows))
 
 
-def convert(model: Decoder, part: str, precision: str) -> None:
+def _to_groups(module: nn.Module, part: str, blocks: Mapping[str, Groups]) -> nn.Module:
+    """A part's linears as `GroupLinear`s: the checkpoint's own blocks where `blocks` has them
+    (`<part>.<path>.weight`), else quantised to 8-bit groups."""
+    from torch import nn
+
+    from kvfuse.groups import GroupLinear, quantize
+
+    def grouped(path: str, lin: nn.Linear) -> GroupLinear:
+        own = blocks.get(f"{path}.weight")
+        return GroupLinear(own if own is not None else quantize(lin.weight), lin.bias)
+
+    if isinstance(module, nn.Linear):
+        return grouped(part, module)
+    for path, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, grouped(".".join(p for p in (part, path, name) if p), child))
+    return module
+
+
+def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Groups] | None = None) -> None:
     """Convert one part of a float model (`parts`) to the precision, in place.
 
     - fp32: the part in float32; a layer's linears prepacked (`_pack`).
@@ -126,6 +163,8 @@ def convert(model: Decoder, part: str, precision: str) -> None:
     - int8: its linears (an untied head too) in int8 rows; what is left (norms, an untied table,
       biases) in float32. A tied table is not converted here: `by_rows` sends it to `convert_rows`.
     - w8a8: as int8, with linears that quantise their input rows too (`w8a8.W8A8Linear`).
+    - groups: its linears (an untied head too) as groups (`groups.GroupLinear`), the checkpoint's own
+      blocks where `blocks` has them; what is left in float32.
     Every precision copies the float tensors it keeps from the checkpoint (norms, biases): as views of
     the checkpoint file's pages they would keep every page of the file read so far resident. fp32's and
     bf16's embedding table and untied head stay views (they are read whole, and shared with other processes
@@ -150,11 +189,14 @@ def convert(model: Decoder, part: str, precision: str) -> None:
             setattr(parent, attr, W8A8Linear(module))
         else:
             _replace_linears(module, lambda name, lin: W8A8Linear(lin, q_rows if name == "qkv_proj" else ()))
+    elif precision == "groups":
+        if isinstance(module, nn.Linear) or part.startswith("layers."):
+            setattr(parent, attr, _to_groups(module, part, blocks or {}))
     elif part.startswith("layers."):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         _pack(module.float(), model.block(0).self_attn.q_size, dtype)
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
-    if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8"):
+    if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8", "groups"):
         for m in module.modules():
             for p in m.parameters(recurse=False):
                 p.data = p.data.clone()
@@ -164,10 +206,13 @@ def of(model: Decoder) -> str:
     """The precision a model was converted to."""
     import torch
 
+    from kvfuse.groups import GroupRows
     from kvfuse.packed import PackedLinear
     from kvfuse.quant import Int8Embedding, Int8Linear
     from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 
+    if any(isinstance(m, GroupRows) for m in model.modules()):
+        return "groups"
     if any(isinstance(m, W8A8Linear | W8A8Embedding) for m in model.modules()):
         return "w8a8"
     if any(isinstance(m, Int8Linear | Int8Embedding) for m in model.modules()):
@@ -179,10 +224,10 @@ def of(model: Decoder) -> str:
 def rounding(model: Decoder) -> torch.dtype:
     """The coarsest dtype the model's computation rounds to: bfloat16 for bf16, and for int8 (its
     kernel reads its input in bfloat16) and w8a8 (8-bit activation rows, about bfloat16's step); float32
-    for fp32."""
+    for fp32 and groups (float32 products of its dequantised weights)."""
     import torch
 
-    return torch.float32 if of(model) == "fp32" else torch.bfloat16
+    return torch.float32 if of(model) in ("fp32", "groups") else torch.bfloat16
 
 
 def _pack(layer: nn.Module, q_size: int, dtype: torch.dtype) -> None:

@@ -10,26 +10,35 @@ content, `gguf_key`); later uses load from there. Nothing here downloads anythin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError, UnsupportedModelError
 from kvfuse.heap import return_freed_memory
-from kvfuse.model import Decoder, stack_checkpoint
+from kvfuse.model import STACKED, Decoder, stack_checkpoint
 from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype
 from kvfuse.precision import convert as convert_part
 from kvfuse.precision import fingerprint as precision_fingerprint
 from kvfuse.precision import parts as precision_parts
 
+if TYPE_CHECKING:
+    from kvfuse.groups import Groups
+
+log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "gemma3-270m"
+BLOCKS_FILE = "groups.blocks"  # (safetensors) a converted GGUF's own blocks, for precision groups (`checkpoint_blocks`)
+SOURCE_FILE = "source.json"  # the GGUF a checkpoint was converted from, where it was given by its path
 
 
 def cache_dir() -> Path:
@@ -121,11 +130,13 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         raise CheckpointError(f"{root}: missing tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
+    blocks = checkpoint_blocks(root, index, cfg) if precision == "groups" else None
     # one part at a time (`precision.parts`), each read from a mapping of the file that closes once the
     # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
         if by_rows(cfg, part, precision):
-            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision)
+            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision,
+                         _stacked_blocks(blocks, part))
             return_freed_memory()
             continue
         state = _read_part(index, part, dtype)
@@ -135,7 +146,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         if dev.type != "cpu":
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
-        convert_part(model, part, precision)
+        convert_part(model, part, precision, _stacked_blocks(blocks, part))
         # each part frees a float copy of every weight it converts or stacks (10-20 MB a layer of an int8
         # load, 200-300 MB in all) that glibc would otherwise keep in its heap: the peak would grow with
         # the depth, where given back after each part it stays near the largest part
@@ -143,6 +154,130 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
                        precision=precision)
+
+
+class BlockFile:
+    """A converted GGUF's own blocks (`groups.blocks`, safetensors) by our weight names, each read when
+    asked for (a part at a time, as the loader reads the float checkpoint)."""
+
+    def __init__(self, file: Path | None) -> None:
+        from safetensors import safe_open
+
+        self.file, self.sizes = file, {}
+        if file is not None:
+            with safe_open(str(file), framework="pt") as fh:
+                self.sizes = {n: int(v) for n, v in (fh.metadata() or {}).items()}
+
+    def names(self, part: str) -> list[str]:
+        return [n for n in self.sizes if n == f"{part}.weight" or n.startswith(part + ".")]
+
+    def get(self, name: str) -> Groups | None:
+        from safetensors import safe_open
+
+        from kvfuse.groups import Groups
+
+        if name not in self.sizes or self.file is None:
+            return None
+        with safe_open(str(self.file), framework="pt") as fh:  # copies: no view keeps the file's pages
+            offset = f"{name}.offset" if f"{name}.offset" in fh.keys() else None  # noqa: SIM118
+            return Groups(fh.get_tensor(f"{name}.values").clone(), fh.get_tensor(f"{name}.scale").clone(),
+                          fh.get_tensor(offset).clone() if offset else None, self.sizes[name])
+
+
+def checkpoint_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig) -> BlockFile:
+    """The blocks of every weight of the checkpoint's GGUF that `groups` reads, each checked to dequantise
+    to the converted float32 weight bit for bit: `groups.blocks` in the checkpoint, written there on
+    first use from the GGUF (a packaged model's, or the file recorded at conversion). Empty for a
+    checkpoint without one (`precision.convert` quantises its weights)."""
+    file = root / BLOCKS_FILE
+    if not file.is_file():
+        _write_blocks(root, index, cfg, file)
+    return BlockFile(file if file.is_file() else None)
+
+
+@contextlib.contextmanager
+def _gguf_source(root: Path) -> Iterator[Path | None]:
+    """The GGUF the checkpoint at root was converted from, while it is needed: the file recorded at
+    conversion (`SOURCE_FILE`), or a packaged model's, assembled again; None if there is none."""
+    try:
+        recorded = Path(json.loads((root / SOURCE_FILE).read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded is not None and recorded.is_file():
+        yield recorded
+    elif root.name in PACKAGED and root.parent == cache_dir() / "models":
+        with tempfile.TemporaryDirectory(dir=root.parent, prefix=".blocks-") as tmp:
+            yield PACKAGED[root.name].gguf(Path(tmp) / "model.gguf")
+    else:
+        yield None
+
+
+def _write_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig, file: Path) -> None:
+    """Write the GGUF's blocks of every weight that dequantises exactly to the checkpoint's (a Llama's q
+    and k rows back from llama.cpp's rotary order) to `file`, atomically."""
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from safetensors.torch import save_file
+
+    from kvfuse.groups import from_blocks
+
+    with _gguf_source(root) as source:
+        if source is None:
+            return
+        arch = gguf_architecture(source)
+        arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+        if arch_id is None:
+            return
+        names = get_tensor_name_map(arch_id, cfg.num_layers)
+        tensors = {t.name: t for t in GGUFReader(str(source)).tensors}
+        out: dict[str, torch.Tensor] = {}
+        sizes: dict[str, str] = {}
+        for ours, (weights, theirs) in index.items():
+            base = names.get_name(theirs.removesuffix(".weight")) if theirs.endswith(".weight") else None
+            t = tensors.get(f"{base}.weight") if base else None
+            if t is None or len(t.shape) != 2:
+                continue
+            g = from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
+            if g is None:
+                continue
+            want = FileRows(weights, theirs, torch.float32)
+            if not _dequantises_to(g, want) and arch == "llama" and base and base.endswith(("attn_q", "attn_k")):
+                heads = cfg.num_heads if base.endswith("attn_q") else cfg.num_kv_heads
+                order = np.arange(g.shape[0]).reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)  # llama.cpp's
+                g = g.rows(torch.from_numpy(np.argsort(order)))
+            if not _dequantises_to(g, want):
+                log.warning("%s: the GGUF's %s does not dequantise to the checkpoint's %s; it is quantised anew",
+                            source, t.name, theirs)
+                continue
+            out[f"{ours}.values"], out[f"{ours}.scale"] = g.values.contiguous(), g.scale.contiguous()
+            if g.offset is not None:
+                out[f"{ours}.offset"] = g.offset.contiguous()
+            sizes[ours] = str(g.size)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
+    save_file(out, str(tmp), metadata=sizes)
+    os.replace(tmp, file)
+
+
+def _dequantises_to(g: Groups, want: FileRows, step: int = 16384) -> bool:
+    return tuple(want.shape) == g.shape and all(
+        torch.equal(g.rows(slice(at, at + step)).dequantize(), want[at : at + step])
+        for at in range(0, g.shape[0], step))
+
+
+def _stacked_blocks(blocks: BlockFile | None, part: str) -> dict[str, Groups]:
+    """A part's blocks under the model's names: q, k and v (gate and up) stacked where all are there."""
+    from kvfuse.groups import stack
+
+    mine: dict[str, Groups] = {}
+    if blocks is not None:
+        for name in blocks.names(part):
+            if (g := blocks.get(name)) is not None:
+                mine[name] = g
+    for ours, theirs in STACKED.items():
+        names = [f"{part}.{t}.weight" for t in theirs]
+        if all(n in mine for n in names):
+            mine[f"{part}.{ours}.weight"] = stack([mine.pop(n) for n in names])
+    return mine
 
 
 def _tensor_index(files: list[Path]) -> dict[str, tuple[Path, str]]:
@@ -325,7 +460,7 @@ def ensure_gguf(file: Path) -> Path:
             os.symlink(file.resolve(), at)
             return at
 
-        convert_gguf(dest, link, file.name)
+        convert_gguf(dest, link, file.name, source=file)
     return dest
 
 
@@ -359,7 +494,7 @@ def convert_gguf_package(dest: Path, packaged: PackagedModel | None = None) -> N
     convert_gguf(dest, write, packaged.name)
 
 
-def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str) -> None:
+def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str, source: Path | None = None) -> None:
     """Dequantize the GGUF that `write` puts at a path (a link or a file) through transformers' own GGUF
     loading into a safetensors checkpoint with its tokenizer (and the GGUF's chat template), at dest,
     atomically: a concurrent conversion loses the race harmlessly."""
@@ -385,6 +520,8 @@ def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str) -> None:
         out = Path(tmp) / "checkpoint"
         hf.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
+        if source is not None:  # where precision groups finds its blocks again (`checkpoint_blocks`)
+            (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(source.resolve())}))
         steps.update()
         steps.close()
         try:

@@ -94,9 +94,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, family: str, arch: str | None = None, seed: int = 0) -> Any:
-    """Write a tiny random model of the family at path; return the transformers model it holds. `arch`
-    overrides the architecture the header names (to write one kvfuse does not run)."""
+def write_tiny_gguf(path: Path, family: str, arch: str | None = None, seed: int = 0,
+                    quant: dict[str, str] | None = None) -> Any:
+    """Write a tiny random model of the family at path; return the transformers model it was written
+    from. `arch` overrides the architecture the header names (to write one kvfuse does not run);
+    `quant` maps llama.cpp tensor kinds (`attn_q`, `ffn_down`, `token_embd`, ...; `*` for the rest)
+    to a quantisation gguf can write (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): their float weights are not the
+    source model's then, but its blocks' dequantisation."""
     import gguf
 
     model = tiny_hf(family, seed)
@@ -136,7 +140,15 @@ def write_tiny_gguf(path: Path, family: str, arch: str | None = None, seed: int 
             data = _permute(data, cfg.num_key_value_heads)
         if family == "gemma3" and base.endswith("norm"):
             data = data + 1.0
-        writer.add_tensor(f"{names.get_name(base)}.{kind}", np.ascontiguousarray(data))
+        target = names.get_name(base)
+        kind_of = target.split(".")[-1] if target.startswith("blk.") else target
+        qtype = (quant or {}).get(kind_of, (quant or {}).get("*")) if data.ndim == 2 and "norm" not in target else None
+        if qtype is None:
+            writer.add_tensor(f"{target}.{kind}", np.ascontiguousarray(data))
+        else:
+            q = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(f"{target}.{kind}", gguf.quants.quantize(np.ascontiguousarray(data), q),
+                              raw_dtype=q)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse import packed, precision, quant, w8a8, weights
+from kvfuse import groups, packed, precision, quant, w8a8, weights
 from kvfuse.engine import Request
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
@@ -65,9 +65,9 @@ def test_an_int8_table_is_quantised_from_the_file_a_block_of_rows_at_a_time(tiny
 def test_a_precision_is_part_of_the_fingerprint(tiny_models) -> None:
     root = tiny_models["llama"][0]
     fps = {p: load_model(root, p).fingerprint for p in precision.PRECISIONS}
-    assert len(set(fps.values())) == len(precision.PRECISIONS) == 4
+    assert len(set(fps.values())) == len(precision.PRECISIONS) == 5
     assert fps["fp32"] == load_model(root).fingerprint  # fp32 keeps the checkpoint's own
-    with pytest.raises(ValueError, match="choose one of fp32, bf16, int8, w8a8"):
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, int8, w8a8, groups"):
         load_model(root, "fp8")
 
 
@@ -92,22 +92,27 @@ def test_each_precision_computes_what_it_says(tiny_models, family: str) -> None:
     assert len(w8a8_linears) == 4 * models["w8a8"].cfg.num_layers
     assert not [m for m in models["w8a8"].modules() if isinstance(m, torch.nn.Linear | quant.Int8Linear)]
     assert isinstance(models["w8a8"].embed_tokens, W8A8Embedding) == models["w8a8"].cfg.tie_embeddings
+    group_linears = [m for m in models["groups"].layers.modules() if isinstance(m, groups.GroupLinear)]
+    assert len(group_linears) == 4 * models["groups"].cfg.num_layers  # quantised: a checkpoint without blocks
+    assert not [m for m in models["groups"].modules() if isinstance(m, torch.nn.Linear)]
+    assert isinstance(models["groups"].embed_tokens, groups.GroupEmbedding) == models["groups"].cfg.tie_embeddings
+    assert _state_bytes(models["groups"]) < 0.5 * _state_bytes(models["fp32"])
     ids = torch.tensor((1,) + rand_ids(30, 7))
     with torch.inference_mode():
         ref = models["fp32"](ids)[-1]
-        for p in ("bf16", "int8", "w8a8"):
+        for p in ("bf16", "int8", "w8a8", "groups"):
             got = models[p](ids)[-1]
             assert got.dtype == torch.float32
             assert kl_divergence(ref, got) < 0.05, p  # close to the oracle, not equal to it
             assert kl_divergence(ref, got) > 0.0, p  # and really computed at another precision
 
 
-@pytest.mark.parametrize("p", ["bf16", "int8", "w8a8"])
+@pytest.mark.parametrize("p", ["bf16", "int8", "w8a8", "groups"])
 def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
     e = engine_at("gemma3", p)
     assert e.blend_error is None
-    # the int8 screen's bound is for a float32 head: bf16 keeps it, int8's and w8a8's heads are int8 themselves
-    assert (e.greedy_head() is not None) == (p == "bf16")
+    # the int8 screen's bound is for a float32 head: bf16's and groups' are, int8's and w8a8's are int8
+    assert (e.greedy_head() is not None) == (p in ("bf16", "groups"))
     req = Request(prefix=(1,) + rand_ids(9, 1), chunks=(rand_ids(12, 2), rand_ids(8, 3)), suffix=rand_ids(4, 4))
     e.precompute(req, "blend")
     keys = {e.cache.chunk_key(c) for c in req.chunks}
