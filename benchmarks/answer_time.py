@@ -95,6 +95,7 @@ def main() -> None:
 
     import torch
 
+    from kvfuse.checkpoints import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
     from kvfuse.engine import Engine, Request
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.kb import answer
@@ -102,7 +103,6 @@ def main() -> None:
     from kvfuse.kb.manifest import resolve_kb_dir
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
 
     torch.set_num_threads(2)
     gguf = ROOT / ".bench" / "gemma3-270m-q4_k_m.gguf"

@@ -57,13 +57,13 @@ def qualified(path: Path) -> list[tuple[str, dict[str, Any], str]]:
 
 
 def conflicts(rows: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.eval.metrics import contains_gold
     from kvfuse.kb.conflicts import conflicts_for
     from kvfuse.kb.facts import quantities
     from kvfuse.kb.manifest import load_manifest
     from kvfuse.runtime import bundled
     from kvfuse.text.tokenizer import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     class Docs:  # what conflicts_for reads of a knowledge base
         manifest = load_manifest(bundled("albaran"))

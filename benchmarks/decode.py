@@ -30,10 +30,10 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=5, help="prompts whose tokens are compared")
     args = ap.parse_args()
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
     screened, tok = Engine.load(path), Tokenizer(path)

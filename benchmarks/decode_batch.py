@@ -35,10 +35,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvfuse import decode
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
     engine, tok = Engine.load(path), Tokenizer(path)

@@ -48,8 +48,8 @@ def dump_request(model: str | None, passages: int, out: Path) -> None:
     """The model's config.json and MuSiQue case 0's request as token ids, for --random-weights."""
     from common import musique_cases, musique_prompt
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(model)
     req = musique_prompt(musique_cases()[0], passages).request(Tokenizer(path))
@@ -95,12 +95,13 @@ def stage(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def run_precision(args: argparse.Namespace, precision: str, device: torch.device, results: dict[str, Any]) -> None:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.request import Request
     from kvfuse.sampling import SamplingParams
     from kvfuse.store import open_store
-    from kvfuse.weights import load_model, resolve_model_path
+    from kvfuse.weights import load_model
 
     one = SamplingParams(max_tokens=ONE_TOKEN)
     tmp = Path(tempfile.mkdtemp(prefix=f"kvfuse-device-{precision}-"))

@@ -29,9 +29,9 @@ from kvfuse.metrics import kl_divergence  # noqa: E402
 
 
 def load(n_passages: int):  # type: ignore[no-untyped-def]
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
     return Engine.load(path), Tokenizer(path), path, musique_cases()

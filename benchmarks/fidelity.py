@@ -59,10 +59,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
+    from kvfuse.checkpoints import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
 
     torch.set_num_threads(2)
     path = resolve_model_path(None)

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 from kvfuse import fuse
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Tokenizer
-from kvfuse.weights import resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import musique_cases, musique_prompt  # noqa: E402

@@ -40,6 +40,7 @@ def main() -> None:
 
     import torch
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.kb import answer
     from kvfuse.kb.base import KnowledgeBase
@@ -48,7 +49,6 @@ def main() -> None:
     from kvfuse.sampling import SamplingParams, masked
     from kvfuse.server.grammar import Grammar, grammar_for
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     torch.set_num_threads(2)
     precision = args.precision or default_precision()

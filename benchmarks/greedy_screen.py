@@ -23,11 +23,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import musique_cases, musique_prompt  # noqa: E402
 
+from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
 from kvfuse.lmhead import SCREENS, GreedyHead  # noqa: E402
 from kvfuse.sampling import SamplingParams  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
-from kvfuse.weights import resolve_model_path  # noqa: E402
 
 
 def main() -> None:

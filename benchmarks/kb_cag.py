@@ -23,13 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine, Request
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import resolve_kb_dir
 from kvfuse.sampling import SamplingParams
 from kvfuse.text import Tokenizer
-from kvfuse.weights import resolve_model_path
 
 QUESTIONS = [
     "How many days does a Team plan customer have to ask for a refund on an annual renewal?",

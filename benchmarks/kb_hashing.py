@@ -79,10 +79,10 @@ def worker(src: Path, store: Path, n_questions: int) -> dict[str, Any]:
     assert Path(kvfuse.__file__).resolve().is_relative_to(src), f"kvfuse imported from {kvfuse.__file__}, not {src}"
     count = install_hash_counter(keys)  # before anything is loaded
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(None)
     engine = Engine.load(path, store_dir=store)

@@ -30,9 +30,9 @@ from common import interleaved, median_ratio, medians, musique_cases, musique_pr
 
 
 def _engines(model: str | None, precisions: list[str]):  # type: ignore[no-untyped-def]
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     path = resolve_model_path(model)
     tok = Tokenizer(path)  # first, as `runtime.open_engine` does: its parsing peak comes before the weights

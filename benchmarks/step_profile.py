@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import musique_cases, musique_prompt  # noqa: E402
 
+from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
 from kvfuse.sampling import SamplingParams  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
-from kvfuse.weights import resolve_model_path  # noqa: E402
 
 GROUPS = {  # operator name fragment -> group (first match wins)
     "_weight_int8pack_mm": "weight matmuls", "mkldnn::_linear_pointwise": "weight matmuls",

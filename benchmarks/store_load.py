@@ -23,12 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, median_ratio, medians, musique_cases, musique_prompt  # noqa: E402
 
+from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
 from kvfuse.metrics import kl_divergence  # noqa: E402
 from kvfuse.sampling import SamplingParams  # noqa: E402
 from kvfuse.store import open_store  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
-from kvfuse.weights import load_model, resolve_model_path  # noqa: E402
+from kvfuse.weights import load_model  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1)
 

@@ -123,11 +123,11 @@ def main() -> None:
 
     import torch
 
+    from kvfuse.checkpoints import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
 
     torch.set_num_threads(2)
     path = resolve_model_path(None)

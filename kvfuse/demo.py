@@ -38,10 +38,10 @@ def _show(a: Answer) -> None:
 
 
 def run_demo(model: str | None = None, store: str | None = None, precision: str = "fp32", device: str = "cpu") -> int:
+    from kvfuse.checkpoints import cache_dir
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
     from kvfuse.runtime import open_engine, open_kb, store_dir
-    from kvfuse.weights import cache_dir
 
     print("Loading the model (the first run converts Gemma 3 270M once)...", flush=True)
     where = store_dir(store)

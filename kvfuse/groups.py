@@ -203,11 +203,14 @@ _scratch = threading.local()
 
 def _dequantize_into(g: Groups) -> torch.Tensor:
     """g's float32 weight in this thread's scratch buffer (reused, so that no product allocates, and
-    page-faults in, a fresh float copy of its weight): valid until the next call."""
+    page-faults in, a fresh float copy of its weight): valid until the next call. One buffer in
+    inference mode and one outside it (an inference tensor cannot be written outside it)."""
     r, c = g.shape
-    buf = getattr(_scratch, "buf", None)
+    mode = "inference" if torch.is_inference_mode_enabled() else "plain"
+    buf = getattr(_scratch, mode, None)
     if buf is None or buf.numel() < r * c:
-        buf = _scratch.buf = torch.empty(r * c)
+        buf = torch.empty(r * c)
+        setattr(_scratch, mode, buf)
     w = buf[: r * c].view(r, c // g.size, g.size)
     w.copy_(g.values.view(r, c // g.size, g.size))
     w.mul_(g.scale[:, :, None])

@@ -19,7 +19,7 @@ DEFAULT_FLOOR = 0.15
 
 def store_dir(store: str | Path | None, no_store: bool = False) -> Path | None:
     """The KV store directory: the one given, else `<cache dir>/store`; None keeps caches in memory."""
-    from kvfuse.weights import cache_dir
+    from kvfuse.checkpoints import cache_dir
 
     if no_store:
         return None
@@ -41,9 +41,10 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
     with its store (and a shared Redis tier at `remote`) and tokenizer."""
     import torch
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
     from kvfuse.text.tokenizer import Tokenizer
-    from kvfuse.weights import check_device, resolve_model_path
+    from kvfuse.weights import check_device
 
     check_device(device, precision)  # a device that cannot run is refused before anything is read
     path = Path(resolve_model_path(model))
@@ -60,9 +61,9 @@ def attach_controller(engine: Engine, store: Path | None, measure: bool = True, 
     """Give the engine a controller from the saved profile (measuring one first if `measure`: blend
     requests always get one, so their results say what the controller predicted), with the model's
     calibrated floors where `kvfuse calibrate` measured them."""
+    from kvfuse.checkpoints import cache_dir
     from kvfuse.policy import Controller
     from kvfuse.profile import load_calibration, load_or_profile, profile_path
-    from kvfuse.weights import cache_dir
 
     if not measure and not profile_path(cache_dir(), engine.fingerprint, engine.model.device).is_file():
         return

@@ -11,10 +11,11 @@ import pytest
 import torch
 from ggufs import CHAT_TEMPLATE, FAMILIES, write_tiny_gguf
 
-from kvfuse import weights
+from kvfuse import checkpoints
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.config import CheckpointError, UnsupportedModelError
 from kvfuse.text import Tokenizer
-from kvfuse.weights import load_model, resolve_model_path
+from kvfuse.weights import load_model
 
 IDS = [5, 77, 200, 9, 33, 100, 4, 250, 17, 64, 3, 128] * 3  # 36 positions: past Gemma's 16-token window
 
@@ -57,7 +58,7 @@ def test_a_gguf_is_converted_once_keyed_by_its_content(tmp_path, cache, monkeypa
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(weights, "convert_gguf", no_conversion)
+    monkeypatch.setattr(checkpoints, "convert_gguf", no_conversion)
     assert resolve_model_path(first) == path  # the same file: its converted checkpoint
     copy = tmp_path / "elsewhere" / "renamed.gguf"
     copy.parent.mkdir()

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from ggufs import write_tiny_gguf
 
 from kvfuse import groups, precision
+from kvfuse.checkpoints import BLOCKS_FILE, resolve_model_path
 from kvfuse.engine import Engine
 from kvfuse.metrics import kl_divergence
 from kvfuse.request import Request
 from kvfuse.sampling import SamplingParams
-from kvfuse.weights import BLOCKS_FILE, load_model, resolve_model_path
+from kvfuse.weights import load_model
 
 # where each block type keeps its float16 fields (random bytes there could be NaN)
 HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
@@ -60,6 +61,9 @@ def test_a_product_is_the_float_product_of_the_dequantised_weight(monkeypatch) -
     want = F.linear(x, g.dequantize())
     assert torch.allclose(groups.group_matmul(x, g), want, rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(groups, "SLICE_ROWS", 7)  # a slice of rows at a time, into the reused buffer
+    assert torch.allclose(groups.group_matmul(x, g), want, rtol=1e-6, atol=1e-6)
+    with torch.inference_mode():  # in inference mode and out of it again: each its own buffer
+        assert torch.allclose(groups.group_matmul(x, g), want, rtol=1e-6, atol=1e-6)
     assert torch.allclose(groups.group_matmul(x, g), want, rtol=1e-6, atol=1e-6)
     table = groups.GroupEmbedding(g)
     assert torch.equal(table(torch.tensor([[4, 49]])), g.dequantize()[[4, 49]][None])

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling",
      "kvfuse.metrics",
      "kvfuse.quant", "kvfuse.groups", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
-     "kvfuse.precision", "kvfuse.lmhead", "kvfuse.weights",
+     "kvfuse.precision", "kvfuse.lmhead", "kvfuse.checkpoints", "kvfuse.weights",
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.policy"),
     ("kvfuse.fuse",),

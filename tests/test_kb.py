@@ -40,8 +40,8 @@ def test_serialization_is_deterministic_and_ordered(tmp_path) -> None:
 
 
 def test_real_tokenizer_serialization_of_the_bundled_kb() -> None:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     tok = Tokenizer(resolve_model_path(None))
     m = load_manifest("albaran")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.text import Tokenizer
 from kvfuse.text.chat import ChatTemplate
-from kvfuse.weights import load_model, resolve_model_path
+from kvfuse.weights import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -32,8 +32,8 @@ def test_eval_cli_end_to_end_on_two_cases(tmp_path, capsys) -> None:
 
 
 def test_make_crosschunk_sizes_passages_in_model_tokens(tmp_path, capsys) -> None:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     out = tmp_path / "cc.json"
     assert main(["eval", "make-crosschunk", "--n", "4", "--seed", "5", "--out", str(out)]) == 0
@@ -51,9 +51,10 @@ def test_eval_default_reads_the_models_calibration_on_a_machine_without_a_profil
     import os
 
     from kvfuse import fuse
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.policy import Calibration, CurvePoint
     from kvfuse.profile import save_calibration
-    from kvfuse.weights import load_model, resolve_model_path
+    from kvfuse.weights import load_model
 
     path = resolve_model_path(None)
     (tmp_path / "cache").mkdir()
@@ -76,8 +77,9 @@ def test_calibrate_cli_keeps_other_fusers_curves(tmp_path, monkeypatch, capsys) 
     same set and target keeps the curves measured before (a new set replaces them all)."""
     import os
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.profile import load_calibration
-    from kvfuse.weights import load_model, resolve_model_path
+    from kvfuse.weights import load_model
 
     path = resolve_model_path(None)
     (tmp_path / "cache").mkdir()

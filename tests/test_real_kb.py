@@ -16,10 +16,10 @@ def _kb_docs():  # type: ignore[no-untyped-def]
     """What `conflicts_for` reads of the bundled knowledge base (its manifest and a tokenizer)."""
     from types import SimpleNamespace
 
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.kb.manifest import load_manifest
     from kvfuse.runtime import bundled
     from kvfuse.text.tokenizer import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     return SimpleNamespace(manifest=load_manifest(bundled("albaran")), tok=Tokenizer(resolve_model_path(None)))
 

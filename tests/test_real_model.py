@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import SHARED
 
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
 from kvfuse.metrics import kl_divergence
 from kvfuse.precision import default_precision
 from kvfuse.text import Prompt, Tokenizer
-from kvfuse.weights import resolve_model_path
 
 pytestmark = pytest.mark.slow
 MUSIQUE = SHARED / "data" / "musique_dev.json"
@@ -257,7 +257,9 @@ def rss(field):
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
-from kvfuse.weights import load_model, resolve_model_path
+from kvfuse.checkpoints import resolve_model_path
+
+from kvfuse.weights import load_model
 path = resolve_model_path(None)
 before = rss("VmRSS")
 load_model(path, sys.argv[1])

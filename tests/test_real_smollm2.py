@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import SHARED
 
+from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
 from kvfuse.text import Prompt, Tokenizer
 from kvfuse.text.chat import ChatTemplate
-from kvfuse.weights import load_model, resolve_model_path
+from kvfuse.weights import load_model
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"

@@ -61,8 +61,8 @@ def test_a_maximal_body_stalls_neither_a_stream_nor_health(tiny_models, tmp_path
     never stalls for the tokenising, because it runs off the event loop. The real (Rust) tokenizer
     of the default model, over the tiny model (the stream's prompt is token ids); the pure-Python test
     tokenizer would hold the GIL and slow the worker's many small ops, which no real tokenizer does."""
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.text.tokenizer import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     ctx, state = _server(tiny_models, tmp_path, keys=False, tok=Tokenizer(resolve_model_path(None)),
                          max_body_bytes=7 << 20)

@@ -30,9 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
+    from kvfuse.checkpoints import cache_dir
     from kvfuse.cluster import cluster
     from kvfuse.store.redis import check_url
-    from kvfuse.weights import cache_dir
 
     if args.replicas < 1:
         raise SystemExit("kvfuse: --replicas must be at least 1")

@@ -172,9 +172,9 @@ def _costs(pairs: list[str]) -> dict[str, float]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from kvfuse.checkpoints import cache_dir
     from kvfuse.policy import Controller
     from kvfuse.profile import load_or_profile
-    from kvfuse.weights import cache_dir
 
     if not 0.0 <= args.floor <= 1.0:
         raise SystemExit(f"kvfuse: --floor must be between 0 and 1, got {args.floor}")

@@ -92,9 +92,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvfuse.eval.harness import EvalSettings, run_eval, write_outputs
 
     if any(m.name.endswith("@auto") or m.name == "default" for m in methods):
+        from kvfuse.checkpoints import cache_dir
         from kvfuse.profile import load_calibration
         from kvfuse.runtime import attach_controller
-        from kvfuse.weights import cache_dir
 
         # `default` uses the calibrated ratio when this model was calibrated (the controller holds it, and
         # needs a profile: measured now if this machine has none)
@@ -122,9 +122,9 @@ def _crosschunk(args: argparse.Namespace) -> int:
     _need(args, "out")
     if args.n <= 0:
         raise SystemExit("kvfuse: --n must be a positive number of cases")
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.eval.crosschunk import make_cases
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     tok = Tokenizer(resolve_model_path(args.model))  # passages are sized in this model's tokens
     cases = make_cases(args.n, args.seed, lambda text: len(tok.encode(text)))
@@ -139,13 +139,13 @@ def _crosschunk(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvfuse.checkpoints import cache_dir
     from kvfuse.eval.calibrate import DEFAULT_SEED, calibrate
     from kvfuse.eval.crosschunk import make_cases
     from kvfuse.eval.data import cases_from
     from kvfuse.fuse import FUSERS, Fuser, parse_fuser
     from kvfuse.policy import DEFAULT_TARGET_KL
     from kvfuse.profile import load_calibration, save_calibration
-    from kvfuse.weights import cache_dir
 
     known = ", ".join(n for n, f in FUSERS.items() if f.takes_ratio)
     fusers: list[Fuser] = []

@@ -122,12 +122,12 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.kb.cost import CostModel
     from kvfuse.kb.manifest import KBError, load_manifest
     from kvfuse.kb.prefix import plan_prefix
     from kvfuse.kb.usage import Usage
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     if args.questions_per_day < 0 or args.edits_per_day < 0:
         raise SystemExit("kvfuse: --questions-per-day and --edits-per-day cannot be negative")
@@ -295,10 +295,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    from kvfuse.checkpoints import resolve_model_path
     from kvfuse.kb.manifest import MANIFEST, KBError, load_manifest, resolve_kb_dir
     from kvfuse.rag.index import Index, RetrievalIndexError, SourceDoc
     from kvfuse.text import Tokenizer
-    from kvfuse.weights import resolve_model_path
 
     src = bundled(args.src)
     try:
