@@ -85,12 +85,25 @@ class TokenConstraint(Protocol):
         """Nothing more may follow: the answer is complete."""
         ...
 
+    def lookahead(self, tokens: Sequence[int], vocab: int) -> list[torch.Tensor]:
+        """The masks (`allowed`) before tokens[0], and after each of tokens it accepts in a row while
+        its answer is not complete (a draft's rows: one more mask than tokens accepted, at most one per
+        token); the state is left as it was."""
+        ...
+
 
 def masked(logits: torch.Tensor, constraint: TokenConstraint | None) -> torch.Tensor:
     """The logits with every token the constraint forbids at -inf (as they are, without one)."""
     if constraint is None:
         return logits
-    return logits.masked_fill(~constraint.allowed(logits.shape[-1]).to(logits.device), float("-inf"))
+    return with_mask(logits, constraint.allowed(logits.shape[-1]))
+
+
+def with_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The logits with every token outside `allowed` ((vocab,) bool) at -inf (as they are for None)."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
 from kvfuse.model import Decoder
-from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, TokenConstraint, logprob_of, masked, sample
+from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, TokenConstraint, logprob_of, masked, sample, with_mask
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Scheduler:
 
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
         """Let a request without recorded logits draft from its prompt and its own tokens."""
-        if self.draft_tokens > 0 and d.steps is None and d.constraint is None and self.drafts_pay():
+        if self.draft_tokens > 0 and d.steps is None and self.drafts_pay():
             d.context = Context(prompt, d.params.max_tokens)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
@@ -136,8 +136,15 @@ class Scheduler:
         for draft in drafts:
             spans.append(range(at, at + 1 + len(draft)))
             at += 1 + len(draft)
-        # a greedy request with a grammar is screened among the tokens it allows; a sampled one reads
-        # the whole head, masked (`_verify`)
+        # a request with a grammar: each row's mask, the grammar's state after the draft tokens before it
+        # (`TokenConstraint.lookahead`); a greedy one is screened among the tokens its rows allow, a
+        # sampled one reads the whole head, masked (`_verify`)
+        vocab = self.model.cfg.vocab_size
+        masks: dict[int, torch.Tensor] = {}
+        for j, d in enumerate(live):
+            if d.constraint is not None:
+                ahead = d.constraint.lookahead(drafts[j], vocab)
+                masks.update((r, ahead[min(i, len(ahead) - 1)]) for i, r in enumerate(spans[j]))
         plain = [j for j, d in enumerate(live) if d.steps is None and d.constraint is None]
         screened = [j for j, d in enumerate(live) if d.steps is None and greedy(d.params)]
         drawn = [j for j in plain if self.screen_samples and screened_sample(live[j].params)]
@@ -150,21 +157,19 @@ class Scheduler:
             xs = self.model.norm(h[picked + sampled])
             approx, slack = head.bounds_rows(xs)
             n = len(picked)
-            # only the argmax is needed for a greedy row: the screen finds it exactly
-            vocab = self.model.cfg.vocab_size
-            allowed = [c.allowed(vocab) if (c := live[j].constraint) is not None else None
-                       for j in screened for _ in spans[j]]  # (a grammar's request never drafts: one row)
+            # only the argmax is needed for a greedy row: the screen finds it exactly (among what it allows)
+            allowed = [masks.get(r) for r in picked]
             chosen = dict(zip(picked, head.argmax_rows(xs[:n], (approx[:n], slack[:n]), allowed), strict=True))
             bounds = {r: (xs[n + i], approx[n + i], slack[n + i]) for i, r in enumerate(sampled)}
         for j, d in enumerate(live):
             try:
-                d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen, bounds, head), drafts[j])
+                d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen, bounds, head, masks), drafts[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
 
     def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int], chosen: dict[int, int],
                 bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                head: GreedyHead | None) -> list[int]:
+                head: GreedyHead | None, masks: dict[int, torch.Tensor]) -> list[int]:
         """The tokens the rows choose, up to the first that differs from the draft. A row that was not
         screened is sampled exactly as a one-token step samples it (its own logits, the tokens before
         it, one draw of the request's generator), and only once every draft token before it was taken.
@@ -173,7 +178,9 @@ class Scheduler:
         draft proposes each token with certainty (q = 1 at x), so x is accepted with probability
         min(1, p(x) / q(x)) = p(x), and a rejection draws from p without x, renormalised, which is
         exactly drawing from p and comparing. Drawn this way, one draw per token taken, a seeded request
-        gets the very tokens it gets without drafts."""
+        gets the very tokens it gets without drafts. A row of a request with a grammar reads its own mask
+        (`masks`): the grammar's state after the draft tokens before it, which are the tokens taken
+        before it whenever it is read."""
         toks: list[int] = []
         for i, r in enumerate(rows):
             logits: torch.Tensor | None = None
@@ -187,12 +194,13 @@ class Scheduler:
             elif drawn is not None:
                 tok = drawn
             else:
-                logits = masked(self.model.logits(h[r : r + 1])[0], d.constraint)
+                logits = with_mask(self.model.logits(h[r : r + 1])[0], masks.get(r))
                 if d.steps is not None:
                     d.steps.append(logits)
                 tok = sample(logits, d.params, d.gen, [*d.tokens, *toks])
             if d.logprobs is not None:  # what it was drawn from (`sampling.logprob_of`), whichever way
-                logits = logits if logits is not None else masked(self.model.logits(h[r : r + 1])[0], d.constraint)
+                if logits is None:
+                    logits = with_mask(self.model.logits(h[r : r + 1])[0], masks.get(r))
                 d.logprobs.append(logprob_of(logits, d.params, [*d.tokens, *toks], tok))
             toks.append(tok)
             if i >= len(draft) or tok != draft[i]:

@@ -129,3 +129,59 @@ def test_seeded_sampling_with_drafts_gets_the_tokens_it_gets_without(engine_at, 
     assert [[g.tokens for g in row] for row in drafted] == plain
     if e.decode_batch_limit() >= 2:
         assert sum(g.drafts.accepted for row in drafted for g in row) > 0
+
+
+class _Forbid:
+    """A toy grammar over ids: step i forbids `banned[i]` (everything else allowed); finished after the
+    last step. Its `lookahead` walks a draft as `sampling.TokenConstraint` says."""
+
+    def __init__(self, banned: list[set[int]]) -> None:
+        self.banned, self.at = banned, 0
+
+    def _mask(self, at: int, vocab: int) -> torch.Tensor:
+        out = torch.ones(vocab, dtype=torch.bool)
+        out[list(self.banned[at])] = False
+        return out
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        return self._mask(self.at, vocab)
+
+    def advance(self, token: int) -> None:
+        assert token not in self.banned[self.at], (self.at, token)
+        self.at += 1
+
+    def finished(self) -> bool:
+        return self.at == len(self.banned)
+
+    def lookahead(self, tokens: list[int], vocab: int) -> list[torch.Tensor]:
+        masks, at = [self._mask(self.at, vocab)], self.at
+        for t in tokens:
+            if t in self.banned[at] or at + 1 == len(self.banned):
+                break
+            at += 1
+            masks.append(self._mask(at, vocab))
+        return masks
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_a_grammar_request_drafts_and_gets_the_tokens_it_gets_without(engine_at, temperature: float,
+                                                                      monkeypatch) -> None:
+    """Drafts under a grammar: each row is masked with the grammar's state after the draft tokens before
+    it, so a greedy (screened) or seeded sampled request gets exactly its undrafted tokens, drafts are
+    accepted, and a draft token the grammar forbids is never taken."""
+    e: Engine = engine_at("llama", "fp32")
+    reqs = [Request(prefix=(1,) + rand_ids(5, s) * 3, chunks=(), suffix=rand_ids(4, s)) for s in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=4, ignore_eos=True)
+    monkeypatch.setattr(e, "draft_tokens", 0)
+    free = [e.generate(r, "prefix", params=params).tokens for r in reqs]
+    # forbid, at some steps, the token the model took there unconstrained: the grammar changes answers
+    banned = [[{toks[i]} if i % 3 == 1 else set() for i in range(16)] for toks in free]
+    plain = [e.generate(r, "prefix", params=params, constraint=_Forbid(b)) for r, b in zip(reqs, banned, strict=True)]
+    assert all(g.drafts.drafted == 0 for g in plain) and [g.tokens for g in plain] != free
+    monkeypatch.setattr(e, "draft_tokens", 6)
+    drafted = [e.generate(r, "prefix", params=params, constraint=_Forbid(b))
+               for r, b in zip(reqs, banned, strict=True)]
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(t not in b[i] for g, b in zip(drafted, banned, strict=True) for i, t in enumerate(g.tokens))
+    if e.decode_batch_limit() >= 2:
+        assert sum(g.drafts.accepted for g in drafted) > 0

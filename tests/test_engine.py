@@ -1,4 +1,5 @@
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -403,9 +404,7 @@ class _Allow:
         self.steps, self.at = steps, 0
 
     def allowed(self, vocab: int) -> torch.Tensor:
-        out = torch.zeros(vocab, dtype=torch.bool)
-        out[list(self.steps[self.at])] = True
-        return out
+        return self._mask(self.at, vocab)
 
     def advance(self, token: int) -> None:
         assert token in self.steps[self.at], (token, self.steps[self.at])
@@ -413,6 +412,20 @@ class _Allow:
 
     def finished(self) -> bool:
         return self.at == len(self.steps)
+
+    def lookahead(self, tokens: Sequence[int], vocab: int) -> list[torch.Tensor]:
+        masks, at = [self.allowed(vocab)], self.at
+        for t in tokens:
+            if t not in self.steps[at] or at + 1 == len(self.steps):
+                break
+            at += 1
+            masks.append(self._mask(at, vocab))
+        return masks
+
+    def _mask(self, at: int, vocab: int) -> torch.Tensor:
+        out = torch.zeros(vocab, dtype=torch.bool)
+        out[list(self.steps[at])] = True
+        return out
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])

@@ -348,3 +348,29 @@ def test_real_groups_holds_the_packaged_ggufs_blocks_exactly(real) -> None:  # t
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     params = SamplingParams(max_tokens=16)
     assert grouped.generate(req, "full", None, params).tokens == engine.generate(req, "full", None, params).tokens
+
+
+def test_real_grammar_lookahead_is_the_masks_of_taking_the_draft(real) -> None:  # type: ignore[no-untyped-def]
+    """`Grammar.lookahead` (a draft's masks under response_format's grammar) on Gemma's vocabulary: the
+    mask before each token of a valid answer as taking them one by one gives, the state left unchanged,
+    and a token the grammar forbids ends the walk there."""
+    from kvfuse.server.grammar import Grammar, grammar_for
+
+    _, tok, _ = real
+    schema = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
+              "additionalProperties": False}
+    text = grammar_for({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert text is not None
+    vocab = len(tok.hf)
+    answer = tok.encode('{"days":30}')
+    g, walk = Grammar(tok.hf, text), Grammar(tok.hf, text)
+    masks = g.lookahead(answer, vocab)
+    assert len(masks) == len(answer)  # stopped once the object is complete: no mask after its last token
+    for i, t in enumerate(answer[: len(masks)]):
+        assert torch.equal(masks[i], walk.allowed(vocab)), i
+        walk.advance(t)
+    assert torch.equal(g.allowed(vocab), masks[0])  # rolled back
+    bad = tok.encode("x")[0]
+    assert not bool(masks[2][bad])
+    assert len(g.lookahead([*answer[:2], bad, *answer[3:]], vocab)) == 3  # ends at the forbidden token
+    assert torch.equal(g.allowed(vocab), masks[0])

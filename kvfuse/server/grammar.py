@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,3 +88,19 @@ class Grammar:
 
     def finished(self) -> bool:
         return bool(self._matcher.is_stopped())
+
+    def lookahead(self, tokens: Sequence[int], vocab: int) -> list[torch.Tensor]:
+        """The masks a draft's rows need: consumed as far as the grammar accepts them, then rolled back."""
+        masks = [self.allowed(vocab)]
+        valid = self._matcher.validate_tokens(list(tokens))  # how many it accepts in a row (no change)
+        taken = 0
+        for t in tokens[:valid]:
+            if not self._matcher.consume_token(t):
+                break
+            taken += 1
+            if self._matcher.is_stopped():
+                break
+            masks.append(self.allowed(vocab))
+        if taken:
+            self._matcher.rollback(taken)
+        return masks
