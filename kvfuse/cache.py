@@ -80,7 +80,8 @@ class CacheManager:
             if hit is not None:
                 self._hashes[key] = hit  # most recently used last
                 return hit
-        hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=salt_ranges(salts)))
+        ranges = salt_ranges(salts)
+        hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=ranges))
         with self._lock:
             self._hashes[key] = hashes
             while len(self._hashes) > HASH_MEMO:
@@ -152,8 +153,8 @@ class CacheManager:
                   preamble: Sequence[int] | None = None, residual: int | None = None) -> ChunkKey:
         """The store key of a chunk's cache (computed behind the preamble, by default the engine's, in the
         KV dtype; with `residual`, keeping that layer's residual stream)."""
-        return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salt.key() if salt else "",
-                         residual)
+        salted = salt.key() if salt else ""
+        return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salted, residual)
 
     def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None,
                     preamble: Sequence[int] | None = None, residual: int | None = None) -> tuple[KVCache, bool]:

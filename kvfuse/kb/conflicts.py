@@ -120,14 +120,15 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
     stated = quantities(answer)
     if not stated or not docs:
         return []
-    index = kb_index(docs, tok)
     by_id = {d.id: d for d in docs}
     qualifiers = Qualifiers.of(docs)
     asked = qualifiers.named(question)
+    index = kb_index(docs, tok)
+    hits = index.search(question, PASSAGES, "hybrid")
     # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, agrees)
     found: list[tuple[Quantity, Document, int, int, Quantity, bool]] = []
     seen: set[tuple[str, int, int]] = set()
-    for hit in index.search(question, PASSAGES, "hybrid"):
+    for hit in hits:
         doc = by_id[hit.chunk.doc_id]
         for s, e in _sentences(doc.text):  # whole sentences of the document that overlap the passage
             if e <= hit.chunk.start or s >= hit.chunk.end or (doc.id, s, e) in seen:
@@ -176,4 +177,5 @@ def warm(kb: KBState) -> None:
 
 def conflicts_for(kb: KBState, group: str, question: str, answer: str) -> list[Conflict]:
     """find_conflicts over the documents the group may read."""
-    return find_conflicts(kb.manifest.readable(group), kb.tok, question, answer)
+    docs = kb.manifest.readable(group)
+    return find_conflicts(docs, kb.tok, question, answer)
