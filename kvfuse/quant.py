@@ -30,7 +30,7 @@ QUANT_ROWS = 4096  # rows quantised at a time: the float temporaries of a 262k-r
 
 class Rows(Protocol):
     """A (rows, cols) float weight read a block of rows at a time: a tensor, or a checkpoint's table
-    that the loader reads from its file block by block (`weights.FileRows`), never whole."""
+    that the loader reads from its file block by block (`checkpoints.FileRows`), never whole."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse import groups, packed, precision, quant, w8a8, weights
+from kvfuse import checkpoints, groups, packed, precision, quant, w8a8
 from kvfuse.engine import Request
 from kvfuse.metrics import kl_divergence
 from kvfuse.sampling import SamplingParams
@@ -52,8 +52,8 @@ def test_an_int8_table_is_quantised_from_the_file_a_block_of_rows_at_a_time(tiny
     root = tiny_models["gemma3"][0]  # a tied table
     monkeypatch.setattr(quant, "QUANT_ROWS", 7)
     reads: list[slice] = []
-    read = weights.FileRows.__getitem__
-    monkeypatch.setattr(weights.FileRows, "__getitem__", lambda self, rows: reads.append(rows) or read(self, rows))
+    read = checkpoints.FileRows.__getitem__
+    monkeypatch.setattr(checkpoints.FileRows, "__getitem__", lambda self, rows: reads.append(rows) or read(self, rows))
     table = load_model(root, "int8").model.embed_tokens
     whole = load_model(root, "fp32").model.embed_tokens.weight
     q, scale = quant.quantize_rows(whole)
