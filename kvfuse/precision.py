@@ -113,6 +113,14 @@ def parts(cfg: ModelConfig) -> list[str]:
     return ["embed_tokens", *(f"layers.{i}" for i in range(cfg.num_layers)), "norm", *head]
 
 
+def reads_blocks(precision: str, part: str) -> bool:
+    """Whether this part is built from the checkpoint's own quantised blocks where it has them
+    (`checkpoints.checkpoint_blocks`): every part in groups, and bf16's embedding table, which bf16 keeps
+    in float32 and a GGUF holds in Q8_0 groups that dequantise to it bit for bit (a quarter of the
+    memory, the same lookups and head; `convert`)."""
+    return precision == "groups" or (precision == "bf16" and part == "embed_tokens")
+
+
 def by_rows(cfg: ModelConfig, part: str, precision: str) -> bool:
     """Whether this part is converted from its weight's rows, read a block at a time (`convert_rows`),
     rather than loaded whole: int8's tied table. Gemma 3's is 671 MB in float32 against 168 MB in int8,
@@ -165,6 +173,8 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Grou
     - w8a8: as int8, with linears that quantise their input rows too (`w8a8.W8A8Linear`).
     - groups: its linears (an untied head too) as groups (`groups.GroupLinear`), the checkpoint's own
       blocks where `blocks` has them; what is left in float32.
+    - bf16 and fp32 keep the table as it is, except bf16's where `blocks` has its groups
+      (`reads_blocks`): a `groups.GroupEmbedding` holding exactly the same float32 values.
     Every precision copies the float tensors it keeps from the checkpoint (norms, biases): as views of
     the checkpoint file's pages they would keep every page of the file read so far resident. fp32's and
     bf16's embedding table and untied head stay views (they are read whole, and shared with other processes
@@ -192,6 +202,10 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Grou
     elif precision == "groups":
         if isinstance(module, nn.Linear) or part.startswith("layers."):
             setattr(parent, attr, _to_groups(module, part, blocks or {}))
+    elif part == "embed_tokens" and blocks and f"{part}.weight" in blocks and module.weight.device.type == "cpu":
+        from kvfuse.groups import GroupEmbedding
+
+        setattr(model, part, GroupEmbedding(blocks[f"{part}.weight"]))
     elif part.startswith("layers."):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         _pack(module.float(), model.block(0).self_attn.q_size, dtype)
@@ -206,12 +220,12 @@ def of(model: Decoder) -> str:
     """The precision a model was converted to."""
     import torch
 
-    from kvfuse.groups import GroupRows
+    from kvfuse.groups import GroupLinear
     from kvfuse.packed import PackedLinear
     from kvfuse.quant import Int8Embedding, Int8Linear
     from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 
-    if any(isinstance(m, GroupRows) for m in model.modules()):
+    if any(isinstance(m, GroupLinear) for m in model.modules()):
         return "groups"
     if any(isinstance(m, W8A8Linear | W8A8Embedding) for m in model.modules()):
         return "w8a8"

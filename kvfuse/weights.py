@@ -16,7 +16,7 @@ from kvfuse.checkpoints import BlockFile, FileRows, checkpoint_blocks, resolve_m
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError
 from kvfuse.heap import return_freed_memory
 from kvfuse.model import STACKED, Decoder, stack_checkpoint
-from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype
+from kvfuse.precision import DEFAULT_PRECISION, by_rows, convert_rows, load_dtype, reads_blocks
 from kvfuse.precision import convert as convert_part
 from kvfuse.precision import fingerprint as precision_fingerprint
 from kvfuse.precision import parts as precision_parts
@@ -85,13 +85,13 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         raise CheckpointError(f"{root}: missing tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
-    blocks = checkpoint_blocks(root, index, cfg) if precision == "groups" else None
+    blocks = checkpoint_blocks(root, index, cfg) if reads_blocks(precision, "embed_tokens") else None
     # one part at a time (`precision.parts`), each read from a mapping of the file that closes once the
     # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
         if by_rows(cfg, part, precision):
             convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision,
-                         _stacked_blocks(blocks, part))
+                         _stacked_blocks(blocks if reads_blocks(precision, part) else None, part))
             return_freed_memory()
             continue
         state = _read_part(index, part, dtype)
@@ -101,7 +101,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         if dev.type != "cpu":
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
-        convert_part(model, part, precision, _stacked_blocks(blocks, part))
+        convert_part(model, part, precision, _stacked_blocks(blocks if reads_blocks(precision, part) else None, part))
         # each part frees a float copy of every weight it converts or stacks (10-20 MB a layer of an int8
         # load, 200-300 MB in all) that glibc would otherwise keep in its heap: the peak would grow with
         # the depth, where given back after each part it stays near the largest part

@@ -98,6 +98,9 @@ def test_groups_holds_a_ggufs_blocks_exactly(tmp_path, monkeypatch, family: str)
     stack_checkpoint(state)
     for name, lin in linears.items():
         assert torch.equal(lin.groups.dequantize(), state[f"{name}.weight"]), name
+    bf16 = load_model(root, "bf16").model  # bf16's float32 table: the same values, held as its groups
+    assert isinstance(bf16.embed_tokens, groups.GroupEmbedding) and precision.of(bf16) == "bf16"
+    assert torch.equal(bf16.embed_tokens.groups.dequantize(), state["embed_tokens.weight"])
     sizes = {lin.size for lin in linears.values()}
     assert sizes == {32}
     if model.cfg.tie_embeddings:

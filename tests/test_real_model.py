@@ -374,3 +374,28 @@ def test_real_grammar_lookahead_is_the_masks_of_taking_the_draft(real) -> None: 
     assert not bool(masks[2][bad])
     assert len(g.lookahead([*answer[:2], bad, *answer[3:]], vocab)) == 3  # ends at the forbidden token
     assert torch.equal(g.allowed(vocab), masks[0])
+
+
+def test_real_bf16_holds_its_table_in_the_ggufs_own_q8_0_groups(real, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """bf16 keeps the embedding table and LM head in float32; the packaged GGUF holds them in Q8_0 groups
+    that dequantise to exactly those values, so bf16 holds the groups (a quarter of the bytes) and
+    answers as it did with the float table."""
+    from kvfuse import groups, weights
+    from kvfuse.sampling import SamplingParams
+
+    engine, tok, path = real
+    bf16 = Engine.load(path, precision="bf16")
+    table = bf16.model.embed_tokens
+    assert isinstance(table, groups.GroupEmbedding) and bf16.greedy_head() is not None
+    whole = _checkpoint_state(path)["embed_tokens.weight"]
+    assert table.groups.nbytes < 0.3 * whole.numel() * 4
+    assert all(torch.equal(table.groups.rows(slice(a, a + 32768)).dequantize(), whole[a : a + 32768])
+               for a in range(0, whole.shape[0], 32768))
+    monkeypatch.setattr(weights, "reads_blocks", lambda precision, part: precision == "groups")
+    plain = Engine.load(path, precision="bf16")  # the float table, as before
+    assert isinstance(plain.model.embed_tokens, torch.nn.Embedding) and plain.fingerprint == bf16.fingerprint
+    req = _request(tok, _cases()[5], 3)
+    params = SamplingParams(max_tokens=16)
+    got, want = bf16.generate(req, "full", None, params), plain.generate(req, "full", None, params)
+    assert got.tokens == want.tokens
+    assert float((got.first_logits - want.first_logits).abs().max() / want.first_logits.abs().max()) < 1e-5
