@@ -89,9 +89,9 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
     # one part at a time (`precision.parts`), each read from a mapping of the file that closes once the
     # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
+        own = _stacked_blocks(blocks, part) if reads_blocks(precision, part) else {}
         if by_rows(cfg, part, precision):
-            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision,
-                         _stacked_blocks(blocks if reads_blocks(precision, part) else None, part))
+            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision, own)
             return_freed_memory()
             continue
         state = _read_part(index, part, dtype)
@@ -101,7 +101,7 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         if dev.type != "cpu":
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
-        convert_part(model, part, precision, _stacked_blocks(blocks if reads_blocks(precision, part) else None, part))
+        convert_part(model, part, precision, own)
         # each part frees a float copy of every weight it converts or stacks (10-20 MB a layer of an int8
         # load, 200-300 MB in all) that glibc would otherwise keep in its heap: the peak would grow with
         # the depth, where given back after each part it stays near the largest part

@@ -10,13 +10,13 @@ miss) or not (a search miss)?
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfuse.eval.data import read_json
 from kvfuse.eval.metrics import best_f1, contains_gold
 from kvfuse.kb import answer
 from kvfuse.kb.answer import ANSWER_TOKENS
@@ -42,12 +42,7 @@ class Question:
 
 def load_questions(path: str | Path) -> list[Question]:
     p = Path(path)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise KBError(f"cannot read --questions {p}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise KBError(f"--questions {p} is not valid JSON: {e}") from None
+    raw = read_json(p, "--questions", KBError)
     if not isinstance(raw, list) or not raw:
         raise KBError(f"--questions {p} must be a non-empty JSON list of {{question, answers}}")
     out = []

@@ -64,15 +64,20 @@ def cases_from(raw: list[Any], where: str) -> list[Case]:
     return [_case(i, r, where) for i, r in enumerate(raw)]
 
 
+def read_json(p: Path, flag: str, error: type[Exception] = DataError) -> Any:
+    """The JSON in the file a CLI flag names, or `error` saying it cannot be read or parsed."""
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise error(f"cannot read {flag} {p}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{flag} {p} is not valid JSON: {e}") from None
+
+
 def load_cases(path: str | Path, cases: int | None = None, offset: int = 0) -> list[Case]:
     """Read, validate and select cases[offset : offset + cases]."""
     p = Path(path)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise DataError(f"cannot read --data {p}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"--data {p} is not valid JSON: {e}") from None
+    raw = read_json(p, "--data")
     if not isinstance(raw, list):
         raise DataError(f"--data {p} must hold a JSON list of cases, got {type(raw).__name__}")
     if offset < 0 or (cases is not None and cases <= 0):
