@@ -7,7 +7,7 @@ whatever the prefill mode) each generate `--steps` greedy tokens, EOS ignored. P
 batch size b, b of them start (`Engine.begin`) and are stepped together (`Engine.advance`) to the end;
 the time of the steps divided by b * (steps - 1) is the cost per request-step. "1 unpadded" is a lone
 request stepped with one row, as before batching (its tokens are not compared: a one-row product sums
-in another order; see kvfuse/decode.py), to show what the padding row costs. Rounds are interleaved
+in another order; see kvfuse/engine/decode.py), to show what the padding row costs. Rounds are interleaved
 and reported as medians. Every batched request's tokens must equal its tokens generated alone.
 """
 
@@ -34,9 +34,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args()
 
-    from kvfuse import decode
     from kvfuse.checkpoints import resolve_model_path
-    from kvfuse.engine import Engine
+    from kvfuse.engine import Engine, decode
     from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
 

@@ -19,7 +19,7 @@ from kvfuse.kv import HOST
 from kvfuse.policy import DEFAULT_COST_PER_GB, Calibration, Profile, TierProfile, calibration_path
 
 if TYPE_CHECKING:
-    from kvfuse.engine import Engine
+    from kvfuse.engine.core import Engine
 
 
 def profile_path(cache_dir: Path, model_fp: str, device: torch.device = HOST) -> Path:

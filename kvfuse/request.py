@@ -69,6 +69,7 @@ class Salt:
             return None
         return cls(tenant=tenant) if tenant_wide else cls(kb=kb, group=group, tenant=tenant)
 
+    @property
     def key(self) -> str:
         """The one rendering of a salt into a store key: 'kb:NAME/group:G', 'tenant:T', ..."""
         parts = [f"{name}:{value}" for name, value in (("kb", self.kb), ("group", self.group),
@@ -85,6 +86,11 @@ class SaltSpan:
     start: int
     end: int
     salt: Salt
+
+    @property
+    def range(self) -> SaltRange:
+        """The span as the store's key range."""
+        return SaltRange(self.start, self.end, self.salt.key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +175,3 @@ class Generation:
         lp = torch.log_softmax(self.first_logits.float(), -1)
         top = torch.topk(lp, k)
         return [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=False)]
-
-
-def salt_ranges(spans: Sequence[SaltSpan]) -> tuple[SaltRange, ...]:
-    """Salt spans as the store's key ranges."""
-    return tuple(SaltRange(s.start, s.end, s.salt.key()) for s in spans)

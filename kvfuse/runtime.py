@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvfuse.engine import Engine
+    from kvfuse.engine.core import Engine
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.store.base import Remote
     from kvfuse.text.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
     import torch
 
     from kvfuse.checkpoints import resolve_model_path
-    from kvfuse.engine import Engine
+    from kvfuse.engine.core import Engine
     from kvfuse.text.tokenizer import Tokenizer
     from kvfuse.weights import check_device
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import rand_ids
 
-from kvfuse.decode import batch_limit
 from kvfuse.engine import Engine, Request
+from kvfuse.engine.decode import batch_limit
 from kvfuse.sampling import SamplingParams
 
 
@@ -104,7 +104,7 @@ def test_a_request_stores_its_prompt_when_it_starts(tiny_engines) -> None:
 
 
 def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypatch) -> None:
-    from kvfuse import scheduler as engine_mod  # where steps sample
+    from kvfuse.engine import scheduler as engine_mod  # where steps sample
 
     e = tiny_engines["gemma3"]
     sample = engine_mod.sample
@@ -139,7 +139,7 @@ def test_one_request_failing_in_a_step_leaves_the_others(tiny_engines, monkeypat
 def test_advance_steps_in_groups_of_the_checked_limit(tiny_engines, monkeypatch) -> None:
     e: Engine = tiny_engines["qwen3"]
     monkeypatch.setattr(e.scheduler, "_batch_limit", None)  # restored afterwards, even if this fails
-    monkeypatch.setattr("kvfuse.scheduler.MAX_DECODE_BATCH", 3)
+    monkeypatch.setattr("kvfuse.engine.scheduler.MAX_DECODE_BATCH", 3)
     sizes: list[int] = []
     step = e.scheduler._step
     monkeypatch.setattr(e, "draft_tokens", 0)  # one token a step, to count them
@@ -182,7 +182,7 @@ def gemma_wide(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def test_wide_rows_step_together_in_batches_of_more_than_two(gemma_wide, monkeypatch) -> None:
-    from kvfuse import decode
+    from kvfuse.engine import decode
 
     e = gemma_wide
     limit = e.decode_batch_limit()

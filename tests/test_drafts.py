@@ -10,9 +10,9 @@ from conftest import rand_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfuse.decode import Slot, step_hidden, step_rows
 from kvfuse.drafts import Context, DraftLength, propose
 from kvfuse.engine import Engine, Request
+from kvfuse.engine.decode import Slot, step_hidden, step_rows
 from kvfuse.sampling import SamplingParams
 
 

@@ -221,7 +221,7 @@ def test_sampling_survives_extreme_parameters() -> None:
 
 @pytest.mark.parametrize("mode", ["full", "blend"])
 def test_decoding_in_the_prefill_buffers_equals_decoding_a_copy(tiny_engines, mode: str) -> None:
-    from kvfuse.decode import Slot, step_hidden
+    from kvfuse.engine.decode import Slot, step_hidden
 
     e = tiny_engines["gemma3"]  # sliding and global layers
     req = _request(6)

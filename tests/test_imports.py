@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.policy"),
     ("kvfuse.fuse",),
-    ("kvfuse.decode", "kvfuse.scheduler", "kvfuse.cache", "kvfuse.selfcheck"),
+    ("kvfuse.engine.decode", "kvfuse.engine.scheduler", "kvfuse.engine.cache", "kvfuse.engine.selfcheck"),
     ("kvfuse.engine",),
     ("kvfuse.text",),
     ("kvfuse.rag",),

@@ -156,7 +156,7 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
     key = kb.engine.cache.chunk_key
     assert key(chunk, Salt(tenant="a")) != key(chunk, Salt(tenant="b")) != key(chunk)
-    assert Salt(tenant="a").key() == "tenant:a" and Salt(kb="demo", group="support").key() == "kb:demo/group:support"
+    assert Salt(tenant="a").key == "tenant:a" and Salt(kb="demo", group="support").key == "kb:demo/group:support"
     # what a request brings is its tenant's and group's own, or the tenant's where it opted in
     assert answer.prepare(kb, "q?", "support", "tenant-a").request.chunk_salt == Salt("demo", "support", "tenant-a")
     assert answer.prepare(kb, "q?", "support", "tenant-a", tenant_wide=True).request.chunk_salt == Salt(

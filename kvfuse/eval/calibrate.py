@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from kvfuse.engine import Engine, Mode
+from kvfuse.engine.core import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.eval.harness import EvalSettings, retrieve
 from kvfuse.eval.metrics import fidelity

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvfuse import fuse
-from kvfuse.engine import Engine
+from kvfuse.engine.core import Engine
 from kvfuse.eval.data import Case
 from kvfuse.kv import KVCache
 from kvfuse.model import Decoder

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuse.engine import Engine, RequestError
+from kvfuse.engine.core import Engine, RequestError
 from kvfuse.eval.data import Case
 from kvfuse.eval.methods import CaseRun, Full, Method, Outcome
 from kvfuse.eval.metrics import best_f1, best_rouge_l, fidelity, token_f1

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from kvfuse.engine import Engine, Mode
+from kvfuse.engine.core import Engine, Mode
 from kvfuse.eval.data import Case
 from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, fuser_key, parse_spec, spec_of
 from kvfuse.request import Generation, Ratio, Request

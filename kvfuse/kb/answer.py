@@ -39,7 +39,7 @@ from kvfuse.text.layout import chunk_text, question_text
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from kvfuse.engine import Engine
+    from kvfuse.engine.core import Engine
     from kvfuse.kb.state import KBState
     from kvfuse.text.tokenizer import Tokenizer
 
@@ -172,8 +172,9 @@ def ask(kb: KBState, question: str, group: str, tenant: str | None = None,
                               constraint=constraint)
     done = complete_answer(stream, kb.tok)
     assert stream.result is not None
+    answered = finish(kb, prep, done.text, stream.result, [], written, stopped=done.stopped)
     citations, conflicts = review(kb, prep, done.text, ask_model=quote)
-    return finish(kb, prep, done.text, stream.result, citations, written, stopped=done.stopped, conflicts=conflicts)
+    return replace(answered, citations=citations, conflicts=conflicts)
 
 
 def review(kb: KBState, prep: Prepared, answer: str, ask_model: bool = True,
@@ -222,9 +223,14 @@ def ask_quote(engine: Engine, tok: Tokenizer, req: Request, mode: str, ratio: Ra
     return QuoteAttempt(done.text, done.stopped)
 
 
+def quote_text(question: str, answer: str) -> str:
+    """The quote request's suffix: the question, then the answer and `Quote: "`."""
+    return question_text(question) + f" {answer}\nQuote: \""
+
+
 def quote_request(tok: Tokenizer, req: Request, question: str, answer: str) -> Request:
-    """The quote request: the answer's own prompt, then the answer and `Quote: "` after the question."""
-    return replace(req, suffix=tuple(tok.encode(question_text(question) + f" {answer}\nQuote: \"")))
+    """The quote request: the answer's own prompt with `quote_text` as its suffix."""
+    return replace(req, suffix=tuple(tok.encode(quote_text(question, answer))))
 
 
 def quote_citation(attempt: QuoteAttempt, sources: Sequence[Document]) -> Citation:
@@ -248,8 +254,8 @@ def _model_quote(kb: KBState, prep: Prepared, answer: str) -> QuoteAttempt:
     """The model's quote, asked on the group's prefix and the fused passages (a chat's turns and request
     documents are left out: the quote must come from the knowledge)."""
     q = prepare(kb, prep.question, prep.plan.group, prep.plan.tenant, prep.passages, prep.ratio,
-                tenant_wide=prep.tenant_wide)
-    return ask_quote(kb.engine, kb.tok, quote_request(kb.tok, q.request, prep.question, answer), q.mode, q.ratio)
+                suffix=kb.tok.encode(quote_text(prep.question, answer)), tenant_wide=prep.tenant_wide)
+    return ask_quote(kb.engine, kb.tok, q.request, q.mode, q.ratio)
 
 
 def supporting_passage(query: str, docs: Sequence[Document]) -> Citation | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfuse.engine import Engine
+from kvfuse.engine.core import Engine
 from kvfuse.kb import answer as pipeline
 from kvfuse.kb.build import BuildReport, build, needs_build, stored_tokens, unpin_obsolete
 from kvfuse.kb.cost import CostModel

@@ -112,38 +112,35 @@ def kb_index(docs: Sequence[Document], tok: object) -> Index:
         return _INDEXES[digest]
 
 
+# (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, it agrees)
+Candidate = tuple[Quantity, "Document", int, int, Quantity, bool]
+
+
 def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer: str) -> list[Conflict]:
     """Sentences of the documents relevant to the question that state another value of a quantity the
-    answer states (see the module docstring); [] when the answer states none."""
+    answer states (see the module docstring); [] when the answer states none.
+
+    The documents' own work comes first (which sentences state a quantity of the answer's units, for the
+    question's case), then retrieval: the passages the question finds, and the sentences' similarity."""
     from kvfuse.rag.dense import embed
 
     stated = quantities(answer)
     if not stated or not docs:
         return []
-    by_id = {d.id: d for d in docs}
-    qualifiers = Qualifiers.of(docs)
-    asked = qualifiers.named(question)
-    index = kb_index(docs, tok)
-    hits = index.search(question, PASSAGES, "hybrid")
-    # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, agrees)
-    found: list[tuple[Quantity, Document, int, int, Quantity, bool]] = []
+    stating = _stating(docs, stated, question)
+    if not any(not agree for cands in stating.values() for *_, agree in cands):
+        return []
+    found: list[Candidate] = []  # in the order the passages rank, each sentence once
     seen: set[tuple[str, int, int]] = set()
-    for hit in hits:
-        doc = by_id[hit.chunk.doc_id]
-        for s, e in _sentences(doc.text):  # whole sentences of the document that overlap the passage
-            if e <= hit.chunk.start or s >= hit.chunk.end or (doc.id, s, e) in seen:
+    for hit in kb_index(docs, tok).search(question, PASSAGES, "hybrid"):
+        fresh = set()
+        for c in stating.get(hit.chunk.doc_id, []):  # whole sentences that overlap the passage
+            _, d, s, e, _, _ = c
+            if e <= hit.chunk.start or s >= hit.chunk.end or (d.id, s, e) in seen:
                 continue
-            seen.add((doc.id, s, e))
-            paragraph = doc.text[doc.text.rfind("\n", 0, s) + 1 : (doc.text.find("\n", e) + 1 or len(doc.text) + 1) - 1]
-            if qualifiers.elsewhere(asked, f"{doc.title}. {paragraph}"):
-                continue  # about another period or plan than the question's (a paragraph keeps its case)
-            stated_here = quantities(doc.text[s:e])
-            for q in stated:
-                same_unit = [f for f in stated_here if f.unit == q.unit]
-                if same_unit:
-                    agree = any(f.value == q.value for f in same_unit)
-                    other = next((f for f in same_unit if f.value != q.value), same_unit[0])
-                    found.append((q, doc, s, e, other, agree))
+            found.append(c)
+            fresh.add((d.id, s, e))
+        seen |= fresh
     if not any(not agree for *_, agree in found):
         return []
     vecs = embed([question] + [f"{d.title}. {d.text[s:e]}" for _, d, s, e, _, _ in found])
@@ -155,6 +152,27 @@ def find_conflicts(docs: Sequence[Document], tok: object, question: str, answer:
         for i in [i for i in mine if not found[i][5] and float(sims[i]) > best_agreeing][:PER_QUANTITY]:
             _, d, s, e, f, _ = found[i]
             out.append(Conflict(d.id, d.text[s:e], s, e, str(q), str(f), d.text[s:e][f.start : f.end]))
+    return out
+
+
+def _stating(docs: Sequence[Document], stated: Sequence[Quantity], question: str) -> dict[str, list[Candidate]]:
+    """Per document, its sentences that state a quantity in the unit of one the answer states, leaving
+    out those about another case than the question's (`Qualifiers`)."""
+    qualifiers = Qualifiers.of(docs)
+    asked = qualifiers.named(question)
+    out: dict[str, list[Candidate]] = {}
+    for doc in docs:
+        for s, e in _sentences(doc.text):
+            paragraph = doc.text[doc.text.rfind("\n", 0, s) + 1 : (doc.text.find("\n", e) + 1 or len(doc.text) + 1) - 1]
+            if qualifiers.elsewhere(asked, f"{doc.title}. {paragraph}"):
+                continue  # about another period or plan than the question's (a paragraph keeps its case)
+            stated_here = quantities(doc.text[s:e])
+            for q in stated:
+                same_unit = [f for f in stated_here if f.unit == q.unit]
+                if same_unit:
+                    agree = any(f.value == q.value for f in same_unit)
+                    other = next((f for f in same_unit if f.value != q.value), same_unit[0])
+                    out.setdefault(doc.id, []).append((q, doc, s, e, other, agree))
     return out
 
 

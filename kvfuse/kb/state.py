@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfuse.engine import Engine
+from kvfuse.engine.core import Engine
 from kvfuse.kb.cost import CostModel
 from kvfuse.kb.manifest import KBError, Manifest
 from kvfuse.kb.prefix import PrefixPlan, plan_prefix

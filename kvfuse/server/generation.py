@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfuse.decode import Decoding
+from kvfuse.engine.decode import Decoding
 from kvfuse.kb import answer
 from kvfuse.kb.quotes import Citation
 from kvfuse.request import Generation

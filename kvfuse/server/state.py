@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvfuse.engine import Engine
+from kvfuse.engine.core import Engine
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.server.auth import ANONYMOUS, Keys, Principal
 from kvfuse.server.errors import ApiError

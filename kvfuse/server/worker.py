@@ -6,7 +6,7 @@ running stepper on by one token per step, all of them in one `advance` call (the
 as one batch), and starts queued jobs between steps while fewer than max_batch are running. A
 barrier job (a knowledge-base edit) waits until none is running, and a request stores its prompt's
 cache as soon as it has its first token, so a request reads the knowledge base and the store as it
-would one by one; batching changes no answer (see kvfuse/decode.py). So parallel requests get exactly
+would one by one; batching changes no answer (see kvfuse/engine/decode.py). So parallel requests get exactly
 the answers they would get one by one. A job emits events to its asyncio queue; setting its cancel
 event (the client went away) stops it at the next token, or before it starts.
 

@@ -3,7 +3,7 @@ the corrupt-entry retry and write-backs. Token ids only.
 
 Keys are computed once: `block_hashes` remembers the chained hashes of the last prefixes it was asked
 about (a knowledge base's prefix is hashed once per process, not once per lookup, build, store and
-quote request), and a request's chunk keys are computed once, in `open_chunks`.
+quote request), and a request's keys are computed at once, in `request_keys`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,23 @@ from kvfuse.fuse import FuseContext, Fused, FuseLayout, Fuser
 from kvfuse.kv import KVCache, Residual, one_thread
 from kvfuse.loader import LayerLoader, LayerSource, OnDevice, on_device
 from kvfuse.model import Decoder
-from kvfuse.request import Request, Salt, SaltSpan, salt_ranges
+from kvfuse.request import Request, Salt, SaltSpan
 from kvfuse.store.base import CorruptEntryError
 from kvfuse.store.keys import BlockHash, ChunkKey, chunk_key, prefix_block_hashes, root_hash
 from kvfuse.store.tiered import TieredStore
 
 HASH_MEMO = 32  # prefixes whose block hashes are remembered
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKeys:
+    """The store keys a request reads under a fuser: its cacheable prefix's chained block hashes, and its
+    chunks' keys with what each is computed behind and the layer whose residual stream each keeps."""
+
+    blocks: tuple[BlockHash, ...]
+    chunks: tuple[ChunkKey, ...] = ()
+    preambles: tuple[tuple[int, ...], ...] = ()
+    residual: int | None = None
 
 
 @dataclass(slots=True)
@@ -80,13 +91,26 @@ class CacheManager:
             if hit is not None:
                 self._hashes[key] = hit  # most recently used last
                 return hit
-        ranges = salt_ranges(salts)
-        hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=ranges))
+        hashes = tuple(prefix_block_hashes(self.root, key[0], self.block_size, salts=[s.range for s in salts]))
         with self._lock:
             self._hashes[key] = hashes
             while len(self._hashes) > HASH_MEMO:
                 self._hashes.popitem(last=False)
         return hashes
+
+    def request_keys(self, req: Request, fuser: Fuser) -> RequestKeys:
+        """Every store key the request reads under the fuser, computed at once: the chained hashes of its
+        cacheable prefix (its own prefix; everything before the suffix for a mode that reads no chunk
+        caches) and its chunks' keys."""
+        chunked = fuser.reads == "chunks"
+        cacheable = req.prefix if chunked else tuple(req.prefix) + tuple(t for c in req.chunks for t in c)
+        behind, residual = self.chunk_preambles(fuser, req), fuse.residual_layer(fuser)
+        blocks = self.block_hashes(cacheable, req.salts)
+        if not chunked:
+            return RequestKeys(blocks)
+        salt = req.chunk_salt.key if req.chunk_salt else ""
+        return RequestKeys(blocks, tuple(chunk_key(self.fingerprint, self.kv_dtype, b, c, salt, residual)
+                                         for c, b in zip(req.chunks, behind, strict=True)), behind, residual)
 
     def stored_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many blocks at the start are stored in some tier (nothing is read)."""
@@ -153,7 +177,7 @@ class CacheManager:
                   preamble: Sequence[int] | None = None, residual: int | None = None) -> ChunkKey:
         """The store key of a chunk's cache (computed behind the preamble, by default the engine's, in the
         KV dtype; with `residual`, keeping that layer's residual stream)."""
-        salted = salt.key() if salt else ""
+        salted = salt.key if salt else ""
         return chunk_key(self.fingerprint, self.kv_dtype, self._behind(preamble), chunk, salted, residual)
 
     def chunk_cache(self, chunk: Sequence[int], salt: Salt | None = None,
@@ -172,20 +196,15 @@ class CacheManager:
         self.store.put(key, cache)
         return cache
 
-    def open_chunks(self, req: Request, preambles: Sequence[tuple[int, ...]] | None = None,
-                    pause: fuse.Pause = fuse.no_pause, residual: int | None = None) -> ChunkSet:
-        """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed now.
-
-        `preambles`: what each chunk is computed behind (default: the engine's preamble); `residual`:
-        the layer whose residual stream each keeps, if any; `pause` is called between the layers of a
-        chunk computed now."""
-        first = self.store.tiers[0].name
-        pre = tuple(preambles) if preambles is not None else (self._behind(None),) * len(req.chunks)
-        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], pre, residual)
+    def open_chunks(self, req: Request, keys: RequestKeys, pause: fuse.Pause = fuse.no_pause) -> ChunkSet:
+        """Every chunk's cache for layer-wise reading: from memory, lazily from a later tier, or computed
+        now (behind its preamble, keeping the residual stream `keys` name); `pause` is called between the
+        layers of a chunk computed now."""
+        first, residual = self.store.tiers[0].name, keys.residual
+        out = ChunkSet([], [], [], [], first, [len(c) for c in req.chunks], keys.preambles, residual)
         slowest = 0
         names = [t.name for t in self.store.tiers]
-        for c, behind in zip(req.chunks, pre, strict=True):
-            key = self.chunk_key(c, req.chunk_salt, behind, residual)
+        for c, behind, key in zip(req.chunks, keys.preambles, keys.chunks, strict=True):
             opened = self.store.open(key)
             out.keys.append(key)
             if opened is None:

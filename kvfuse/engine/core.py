@@ -21,9 +21,11 @@ from typing import Any, TypeVar, cast
 import torch
 
 from kvfuse import fuse
-from kvfuse.cache import CacheManager
-from kvfuse.decode import Decoding, Prefilled, Slot, TokenStream, step_hidden
 from kvfuse.drafts import DRAFT_TOKENS
+from kvfuse.engine.cache import CacheManager
+from kvfuse.engine.decode import Decoding, Prefilled, Slot, TokenStream, step_hidden
+from kvfuse.engine.scheduler import Scheduler
+from kvfuse.engine.selfcheck import check_fusion
 from kvfuse.fuse import FuseContext, FuseLayout, Fuser
 from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerSource
@@ -32,8 +34,6 @@ from kvfuse.policy import Controller, Decision
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
 from kvfuse.sampling import SamplingParams, TokenConstraint, logprob_of, masked
-from kvfuse.scheduler import Scheduler
-from kvfuse.selfcheck import check_fusion
 from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
 
@@ -202,7 +202,7 @@ class Engine:
             counts.prefilled = len(req)
             return Prefilled(fused, counts, fuser.name, None, fuser=fuse.spec_of(fuser))
         if fuser.reads == "prefix":
-            hashes = self.cache.block_hashes(cacheable, req.salts)
+            hashes = self.cache.request_keys(req, fuser).blocks
             hit = self.cache.read_prefix(hashes)
             n_hit = len(hit) * self.block_size
             fused = fuser.fuse(self.model, FuseLayout.of(hit, (), suffix, prefix_tail=_ids(cacheable[n_hit:])), None,
@@ -211,13 +211,13 @@ class Engine:
             return Prefilled(fused, counts, fuser.name, None, [lambda: self.cache.store_prefix(hashes, fused.cache)],
                              fuser=fuse.spec_of(fuser))
         # the fusing modes: stored prefix blocks, the prefix's uncached tail computed with the suffix
-        hashes = self.cache.block_hashes(req.prefix, req.salts)
-        hit = self.cache.read_prefix(hashes)
+        keys = self.cache.request_keys(req, fuser)
+        hit = self.cache.read_prefix(keys.blocks)
         n_hit = len(hit) * self.block_size
         tail, ids = _ids(req.prefix[n_hit:]), [_ids(c) for c in req.chunks]
         counts.reused = n_hit + req.chunk_tokens
         counts.prefilled = len(req) - counts.reused
-        chunks = self.cache.open_chunks(req, self.cache.chunk_preambles(fuser, req), pause, fuse.residual_layer(fuser))
+        chunks = self.cache.open_chunks(req, keys, pause)
         r, decision = self._ratio(fuser, ratio, counts.reused, chunks.tier)
 
         def layout(sources: Sequence[LayerSource]) -> FuseLayout:
@@ -228,7 +228,7 @@ class Engine:
         stored = chunks.stored_mask()
         recomputed_stored = sum(int(stored[sel].sum()) for sel in fused.selected) / self.cfg.num_layers
         counts.cached = n_hit + int(stored.sum()) - round(recomputed_stored)
-        writes: list[Callable[[], object]] = [lambda: self.cache.store_prefix(hashes, fused.cache)]
+        writes: list[Callable[[], object]] = [lambda: self.cache.store_prefix(keys.blocks, fused.cache)]
         return Prefilled(fused, counts, fuser.name, r, writes + self.cache.promotions(chunks, loader), decision,
                          fuse.spec_of(fuser))
 

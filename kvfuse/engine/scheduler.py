@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvfuse.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
+from kvfuse.engine.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
 from kvfuse.model import Decoder
 from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, TokenConstraint, logprob_of, masked, sample, with_mask
