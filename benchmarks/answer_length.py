@@ -15,9 +15,9 @@ import json
 import statistics
 from importlib import resources
 
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.kb import answer
 from kvfuse.runtime import open_engine, open_kb, store_dir
-from kvfuse.sampling import SamplingParams
 from kvfuse.text.deltas import TextDeltas
 
 

@@ -97,11 +97,11 @@ def main() -> None:
 
     from kvfuse.checkpoints import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
     from kvfuse.engine import Engine, Request
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.kb import answer
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import resolve_kb_dir
-    from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
 
     torch.set_num_threads(2)

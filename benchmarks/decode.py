@@ -32,7 +32,7 @@ def main() -> None:
 
     from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.text import Tokenizer
 
     path = resolve_model_path(None)

@@ -97,9 +97,9 @@ def stage(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 def run_precision(args: argparse.Namespace, precision: str, device: torch.device, results: dict[str, Any]) -> None:
     from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.fuse import DEFAULT_MODE
     from kvfuse.request import Request
-    from kvfuse.sampling import SamplingParams
     from kvfuse.store import open_store
     from kvfuse.weights import load_model
 

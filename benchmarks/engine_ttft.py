@@ -38,7 +38,7 @@ def load(n_passages: int):  # type: ignore[no-untyped-def]
 
 
 def ttft(engine, req, mode: str, ratio: float | None = None) -> float:  # type: ignore[no-untyped-def]
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     return engine.generate(req, mode, ratio, SamplingParams(max_tokens=1)).ttft_s
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from kvfuse import fuse
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
-from kvfuse.sampling import SamplingParams
 from kvfuse.text import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))

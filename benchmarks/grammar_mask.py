@@ -42,11 +42,11 @@ def main() -> None:
 
     from kvfuse.checkpoints import resolve_model_path
     from kvfuse.engine import Engine
+    from kvfuse.engine.sampling import SamplingParams, masked
     from kvfuse.kb import answer
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import resolve_kb_dir
     from kvfuse.precision import default_precision
-    from kvfuse.sampling import SamplingParams, masked
     from kvfuse.server.grammar import Grammar, grammar_for
     from kvfuse.text import Tokenizer
 

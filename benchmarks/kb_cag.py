@@ -25,10 +25,10 @@ from pathlib import Path
 
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine, Request
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import resolve_kb_dir
-from kvfuse.sampling import SamplingParams
 from kvfuse.text import Tokenizer
 
 QUESTIONS = [

@@ -41,7 +41,7 @@ def _engines(model: str | None, precisions: list[str]):  # type: ignore[no-untyp
 
 def rss(model: str | None, precision: str, steps: int) -> None:
     """In this process: load one precision, prefill and decode once, print the peak RSS in MiB."""
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     engines, tok = _engines(model, [precision])
     req = musique_prompt(musique_cases()[0], 6).request(tok)
@@ -51,7 +51,7 @@ def rss(model: str | None, precision: str, steps: int) -> None:
 
 
 def speed(engines, tok, rounds: int, steps: int) -> None:  # type: ignore[no-untyped-def]
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     req = musique_prompt(musique_cases()[0], 6).request(tok)
     one, many = SamplingParams(max_tokens=1), SamplingParams(max_tokens=steps, ignore_eos=True)
@@ -78,8 +78,8 @@ def speed(engines, tok, rounds: int, steps: int) -> None:  # type: ignore[no-unt
 
 
 def fidelity(engines, tok, cases: int, steps: int) -> None:  # type: ignore[no-untyped-def]
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.eval.metrics import fidelity as compare
-    from kvfuse.sampling import SamplingParams
 
     ref_engine = engines["fp32"]
     params, one = SamplingParams(max_tokens=steps), SamplingParams(max_tokens=1)

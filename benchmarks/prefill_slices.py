@@ -23,7 +23,7 @@ from common import interleaved, median_ratio, medians, musique_cases, musique_pr
 import kvfuse.fuse.core as core  # noqa: E402
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
-from kvfuse.sampling import SamplingParams  # noqa: E402
+from kvfuse.engine.sampling import SamplingParams  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
 
 

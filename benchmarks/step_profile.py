@@ -28,7 +28,7 @@ from common import musique_cases, musique_prompt  # noqa: E402
 
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
-from kvfuse.sampling import SamplingParams  # noqa: E402
+from kvfuse.engine.sampling import SamplingParams  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
 
 GROUPS = {  # operator name fragment -> group (first match wins)

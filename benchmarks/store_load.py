@@ -25,8 +25,8 @@ from common import interleaved, median_ratio, medians, musique_cases, musique_pr
 
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
+from kvfuse.engine.sampling import SamplingParams  # noqa: E402
 from kvfuse.metrics import kl_divergence  # noqa: E402
-from kvfuse.sampling import SamplingParams  # noqa: E402
 from kvfuse.store import open_store  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
 from kvfuse.weights import load_model  # noqa: E402

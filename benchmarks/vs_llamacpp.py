@@ -125,8 +125,8 @@ def main() -> None:
 
     from kvfuse.checkpoints import DEFAULT_MODEL_NAME, PACKAGED, resolve_model_path
     from kvfuse.engine import Engine
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.fuse import DEFAULT_MODE
-    from kvfuse.sampling import SamplingParams
     from kvfuse.text import Tokenizer
 
     torch.set_num_threads(2)

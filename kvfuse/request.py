@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfuse.drafts import DraftStats
-from kvfuse.sampling import TokenLogprob
 from kvfuse.store.keys import SaltRange
 from kvfuse.store.tiered import StoreStats
 
@@ -48,6 +47,15 @@ def parse_ratio(text: str) -> float | str:
     if not 0.0 <= r <= 1.0:
         raise ValueError(f"the ratio must be between 0 and 1, got {text}")
     return r
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the most likely alternatives', as (token id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

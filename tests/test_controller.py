@@ -136,7 +136,7 @@ def test_calibrate_measures_curves_and_ratio_auto_uses_them(tiny_models, tmp_pat
     assert load_calibration(tmp_path, e.fingerprint) == cal
     e.controller = Controller(_profile(), floor=0.0, calibration=cal)
     req = Request(prefix=(1,) + rand_ids(4, 50), chunks=(rand_ids(20, 51), rand_ids(15, 52)), suffix=rand_ids(4, 53))
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     g = e.generate(req, "queryaware", "auto", SamplingParams(max_tokens=1))
     assert g.controller is not None and g.controller.fuser == keys[1]

@@ -6,7 +6,7 @@ from conftest import rand_ids
 
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import batch_limit
-from kvfuse.sampling import SamplingParams
+from kvfuse.engine.sampling import SamplingParams
 
 
 def _request(seed: int, n_chunks: int) -> Request:

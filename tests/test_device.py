@@ -8,10 +8,10 @@ from conftest import rand_ids
 
 from kvfuse.config import RopeSpec
 from kvfuse.engine import Engine, Request
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.kv import HOST, KVCache, Residual
 from kvfuse.loader import OnDevice, on_device
 from kvfuse.rope import inv_freq, rope_cos_sin
-from kvfuse.sampling import SamplingParams
 from kvfuse.weights import load_model
 
 META = torch.device("meta")

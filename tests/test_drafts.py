@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvfuse.drafts import Context, DraftLength, propose
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
-from kvfuse.sampling import SamplingParams
+from kvfuse.engine.sampling import SamplingParams
 
 
 def naive_propose(ctx: list[int], k: int, max_ngram: int = 3) -> list[int]:

@@ -8,7 +8,7 @@ from conftest import rand_ids
 
 from kvfuse import fuse
 from kvfuse.engine import Engine, ModeUnavailableError, Request, RequestError
-from kvfuse.sampling import SamplingParams, sample
+from kvfuse.engine.sampling import SamplingParams, sample
 from kvfuse.store.tiered import TieredStore
 from kvfuse.weights import load_model
 
@@ -377,7 +377,7 @@ def test_logprobs_are_the_distribution_each_token_was_drawn_from(tiny_engines, p
     """Each token's logprob (and its alternatives, most likely first) is log_softmax of the recorded logits
     after logit_bias and the penalties, over the temperature (greedy: 1); asking for them changes no
     token, and the alternatives hold the chosen token where it is among the most likely."""
-    from kvfuse.sampling import adjusted
+    from kvfuse.engine.sampling import adjusted
 
     e = tiny_engines["gemma3"]
     req = _request(5)

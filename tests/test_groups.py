@@ -12,9 +12,9 @@ from ggufs import write_tiny_gguf
 from kvfuse import groups, precision
 from kvfuse.checkpoints import BLOCKS_FILE, resolve_model_path
 from kvfuse.engine import Engine
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
 from kvfuse.request import Request
-from kvfuse.sampling import SamplingParams
 from kvfuse.weights import load_model
 
 # where each block type keeps its float16 fields (random bytes there could be NaN)

@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
 
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader", "kvfuse.sampling",
+    ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader",
      "kvfuse.metrics",
      "kvfuse.quant", "kvfuse.groups", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
-     "kvfuse.precision", "kvfuse.lmhead", "kvfuse.checkpoints", "kvfuse.weights",
+     "kvfuse.precision", "kvfuse.checkpoints", "kvfuse.weights",
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.policy"),
     ("kvfuse.fuse",),
+    ("kvfuse.engine.sampling", "kvfuse.engine.lmhead"),
     ("kvfuse.engine.decode", "kvfuse.engine.scheduler", "kvfuse.engine.cache", "kvfuse.engine.selfcheck"),
     ("kvfuse.engine",),
     ("kvfuse.text",),

@@ -6,6 +6,7 @@ from kbdata import DOCS, write_kb
 
 from kvfuse import fuse
 from kvfuse.engine import Engine, Request
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.cost import CostModel
@@ -13,7 +14,6 @@ from kvfuse.kb.manifest import Document, KBError, load_manifest
 from kvfuse.kb.prefix import plan_prefix
 from kvfuse.kb.quotes import find_quote, usable
 from kvfuse.request import Salt
-from kvfuse.sampling import SamplingParams
 from kvfuse.store import open_store
 from kvfuse.weights import load_model
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfuse import w8a8
-from kvfuse.lmhead import SCREENS, GreedyHead
+from kvfuse.engine.lmhead import SCREENS, GreedyHead
 
 KERNELS = [k if k != "w8a8" or w8a8.available() else pytest.param(k, marks=pytest.mark.skip("no FBGEMM"))
            for k in SCREENS]
@@ -46,7 +46,7 @@ def test_the_screen_reads_few_rows_and_settles_near_ties(kernel: str) -> None:
 
 
 def test_the_screen_prefers_fbgemm_where_it_exists(monkeypatch) -> None:
-    from kvfuse import lmhead
+    from kvfuse.engine import lmhead
 
     w = torch.randn(300, 64)
     assert GreedyHead.build(w).kernel == ("w8a8" if w8a8.available() else "int8pack")  # type: ignore[union-attr]
@@ -58,7 +58,7 @@ def test_the_screen_prefers_fbgemm_where_it_exists(monkeypatch) -> None:
 
 def test_without_the_kernel_decoding_keeps_the_float32_head(tiny_engines, monkeypatch) -> None:
     from kvfuse.engine import Engine
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     e = tiny_engines["gemma3"]
     screened = Engine(e.model, e.fingerprint, self_check=False)
@@ -80,7 +80,7 @@ def test_without_the_kernel_decoding_keeps_the_float32_head(tiny_engines, monkey
 @pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
 def test_screened_greedy_generation_equals_plain(tiny_engines, family: str) -> None:
     from kvfuse.engine import Engine, Request
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     e = tiny_engines[family]
     plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
@@ -98,7 +98,7 @@ def test_a_greedy_first_token_reads_no_float_head_until_its_logits_are_asked_for
     """The first token of a greedy request comes from the screen; `first_logits` is computed on demand
     and its argmax is that token (the plain path's choice)."""
     from kvfuse.engine import Engine, Request
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     e = tiny_engines["llama"]
     plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
@@ -121,7 +121,7 @@ def test_a_fresh_engine_builds_no_screen_inside_a_one_token_request(tiny_models,
     """Building the screen takes seconds on a real model: a request never pays for it in its TTFT (its first
     token reads the float head until the screen exists); decoding steps build it."""
     from kvfuse.engine import Engine, Request
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.weights import load_model
 
     built: list[int] = []
@@ -146,8 +146,8 @@ def test_screened_sampling_draws_the_float32_distribution(kernel: str, temperatu
     6,000 draws sit within sampling noise of the exact probabilities, with NEAR as it is and with NEAR
     small (far tokens proposed and rejected far more often: the same distribution); where the far
     bounds could weigh too much, or too many tokens are near, it declines before drawing."""
-    from kvfuse import lmhead
-    from kvfuse.sampling import SamplingParams, adjusted
+    from kvfuse.engine import lmhead
+    from kvfuse.engine.sampling import SamplingParams, adjusted
 
     g = torch.Generator().manual_seed(3)
     vocab, hidden = 300, 64
@@ -186,8 +186,8 @@ def test_sampled_steps_draw_through_the_screen_at_low_temperatures(tiny_engines,
                                                                    top_p: float, screened: bool) -> None:
     """The scheduler draws a sampled request's tokens through the screen where it may (a temperature up
     to SAMPLE_MAX_T, no nucleus), and the seeded tokens repeat, alone and beside a greedy request."""
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.request import Request
-    from kvfuse.sampling import SamplingParams
 
     e = tiny_engines["gemma3"]
     calls: list[int] = []

@@ -6,8 +6,8 @@ from conftest import rand_ids
 
 from kvfuse import checkpoints, groups, packed, precision, quant, w8a8
 from kvfuse.engine import Request
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
-from kvfuse.sampling import SamplingParams
 from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 from kvfuse.weights import load_model
 

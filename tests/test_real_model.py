@@ -196,7 +196,7 @@ def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # typ
 
 def test_real_screened_greedy_decoding_equals_the_float32_head(real) -> None:  # type: ignore[no-untyped-def]
     """The int8 screen of Gemma's 262k-row head picks exactly the float32 argmax, step after step."""
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     engine, tok, _ = real
     plain = Engine(engine.model, engine.fingerprint, self_check=False, greedy_screen=False)
@@ -211,7 +211,7 @@ def test_real_screened_greedy_decoding_equals_the_float32_head(real) -> None:  #
 def test_real_batched_decoding_equals_decoding_alone(real) -> None:  # type: ignore[no-untyped-def]
     """Gemma's decoding steps batch requests without changing a token: greedy through the int8 screen,
     and sampled, stepped together in groups of the checked limit against each stepped alone."""
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     engine, tok, _ = real
     limit = engine.decode_batch_limit()
@@ -321,7 +321,7 @@ def test_real_groups_holds_the_packaged_ggufs_blocks_exactly(real) -> None:  # t
     table read from the GGUF and dequantising to the converted checkpoint bit for bit; at 1.25 bytes a
     weight it computes fp32's function, fusion's guarantees hold, and a greedy answer is fp32's."""
     from kvfuse import groups
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     engine, tok, path = real
     grouped = Engine.load(path, precision="groups")
@@ -381,7 +381,7 @@ def test_real_bf16_holds_its_table_in_the_ggufs_own_q8_0_groups(real, monkeypatc
     that dequantise to exactly those values, so bf16 holds the groups (a quarter of the bytes) and
     answers as it did with the float table."""
     from kvfuse import groups, weights
-    from kvfuse.sampling import SamplingParams
+    from kvfuse.engine.sampling import SamplingParams
 
     engine, tok, path = real
     bf16 = Engine.load(path, precision="bf16")

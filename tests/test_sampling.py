@@ -6,7 +6,7 @@ import torch
 from conftest import rand_ids
 
 from kvfuse.engine import Request
-from kvfuse.sampling import SamplingParams, sample
+from kvfuse.engine.sampling import SamplingParams, sample
 
 
 def _by_hand(logits: torch.Tensor, bias: dict[int, float], presence: float, frequency: float,

@@ -61,9 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvfuse.engine.sampling import SamplingParams
     from kvfuse.fuse import FUSERS
     from kvfuse.request import ModeUnavailableError, RequestError
-    from kvfuse.sampling import SamplingParams
     from kvfuse.text import DEFAULT_STOP, Prompt, complete_answer
 
     if args.mode not in FUSERS:  # checked here, not by the parser: extensions register fusers too

@@ -24,16 +24,16 @@ from kvfuse import fuse
 from kvfuse.drafts import DRAFT_TOKENS
 from kvfuse.engine.cache import CacheManager
 from kvfuse.engine.decode import Decoding, Prefilled, Slot, TokenStream, step_hidden
+from kvfuse.engine.lmhead import GreedyHead
+from kvfuse.engine.sampling import SamplingParams, TokenConstraint, logprob_of, masked
 from kvfuse.engine.scheduler import Scheduler
 from kvfuse.engine.selfcheck import check_fusion
 from kvfuse.fuse import FuseContext, FuseLayout, Fuser
-from kvfuse.lmhead import GreedyHead
 from kvfuse.loader import LayerSource
 from kvfuse.model import Decoder
 from kvfuse.policy import Controller, Decision
 from kvfuse.request import Generation, ModeUnavailableError, Ratio, Request, RequestError, TokenCounts
 from kvfuse.rope import rerotate_into
-from kvfuse.sampling import SamplingParams, TokenConstraint, logprob_of, masked
 from kvfuse.store.base import Remote
 from kvfuse.store.tiered import TieredStore
 

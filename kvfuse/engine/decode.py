@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfuse.drafts import Context, DraftLength, DraftStats
+from kvfuse.engine.lmhead import GreedyHead
+from kvfuse.engine.sampling import SamplingParams, TokenConstraint, masked
 from kvfuse.fuse import Fused
 from kvfuse.kv import KVCache
-from kvfuse.lmhead import GreedyHead
 from kvfuse.model import Decoder, RowPlan
 from kvfuse.policy import Decision
-from kvfuse.request import Generation, TokenCounts
-from kvfuse.sampling import SamplingParams, TokenConstraint, TokenLogprob, masked
+from kvfuse.request import Generation, TokenCounts, TokenLogprob
 from kvfuse.store.tiered import StoreStats
 
 MIN_ROWS = 2  # a step runs at least this many rows: see the module docstring

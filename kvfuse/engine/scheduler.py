@@ -23,9 +23,17 @@ import torch
 
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.engine.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
-from kvfuse.lmhead import SAMPLE_MAX_T, GreedyHead
+from kvfuse.engine.lmhead import SAMPLE_MAX_T, GreedyHead
+from kvfuse.engine.sampling import (
+    MIN_TEMPERATURE,
+    SamplingParams,
+    TokenConstraint,
+    logprob_of,
+    masked,
+    sample,
+    with_mask,
+)
 from kvfuse.model import Decoder
-from kvfuse.sampling import MIN_TEMPERATURE, SamplingParams, TokenConstraint, logprob_of, masked, sample, with_mask
 
 log = logging.getLogger(__name__)
 

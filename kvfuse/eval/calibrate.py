@@ -18,12 +18,12 @@ import statistics
 from collections.abc import Sequence
 
 from kvfuse.engine.core import Engine, Mode
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.eval.data import Case
 from kvfuse.eval.harness import EvalSettings, retrieve
 from kvfuse.eval.metrics import fidelity
 from kvfuse.fuse import fuser_key
 from kvfuse.policy import DEFAULT_TARGET_KL, Calibration, CurvePoint
-from kvfuse.sampling import SamplingParams
 from kvfuse.text import Prompt, Tokenizer
 
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.eval.data import read_json
 from kvfuse.eval.metrics import best_f1, contains_gold
 from kvfuse.kb import answer
@@ -26,7 +27,6 @@ from kvfuse.kb.prefix import header_text
 from kvfuse.kb.quotes import Citation
 from kvfuse.rag.index import Index, SourceDoc
 from kvfuse.request import Request
-from kvfuse.sampling import SamplingParams
 from kvfuse.text.deltas import complete_answer
 from kvfuse.text.layout import bos, question_text, section_text
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from kvfuse.engine.core import Engine, RequestError
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.eval.data import Case
 from kvfuse.eval.methods import CaseRun, Full, Method, Outcome
 from kvfuse.eval.metrics import best_f1, best_rouge_l, fidelity, token_f1
 from kvfuse.rag.chunking import pack
 from kvfuse.rag.dense import top_k_l2
-from kvfuse.sampling import SamplingParams
 from kvfuse.store.tiered import TieredStore
 from kvfuse.text import Tokenizer
 

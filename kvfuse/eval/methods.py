@@ -19,10 +19,10 @@ from typing import Protocol
 import torch
 
 from kvfuse.engine.core import Engine, Mode
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.eval.data import Case
 from kvfuse.fuse import DEFAULT_MODE, FUSERS, Fuser, fuser_key, parse_spec, spec_of
 from kvfuse.request import Generation, Ratio, Request
-from kvfuse.sampling import SamplingParams
 from kvfuse.text import HEAD, Prompt, Tokenizer, complete_answer
 
 MAP_HEAD = (

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.defaults import ANSWER_TOKENS
+from kvfuse.engine.sampling import SamplingParams, TokenConstraint
 from kvfuse.fuse.registry import default_mode, residual_layer
 from kvfuse.kb.conflicts import Conflict, conflicts_for
 from kvfuse.kb.manifest import Document, KBError
@@ -32,7 +33,6 @@ from kvfuse.kb.prefix import PrefixPlan
 from kvfuse.kb.quotes import Citation, find_quote, judge, looping, no_usable_quote, sentence_around, usable
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import Generation, Ratio, Request, Salt, owned_request
-from kvfuse.sampling import SamplingParams, TokenConstraint
 from kvfuse.text.deltas import complete_answer
 from kvfuse.text.layout import chunk_text, question_text
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfuse.engine.core import Engine
+from kvfuse.engine.sampling import TokenConstraint
 from kvfuse.kb import answer as pipeline
 from kvfuse.kb.build import BuildReport, build, needs_build, stored_tokens, unpin_obsolete
 from kvfuse.kb.cost import CostModel
@@ -20,7 +21,6 @@ from kvfuse.kb.prefix import PrefixPlan, plan_prefix
 from kvfuse.kb.state import KBState
 from kvfuse.rag.index import IndexChunk
 from kvfuse.request import Ratio
-from kvfuse.sampling import TokenConstraint
 from kvfuse.text.tokenizer import Tokenizer
 
 

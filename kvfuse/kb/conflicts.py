@@ -68,18 +68,19 @@ class Qualifiers:
     """The classes of mutually exclusive cases a statement can be about: the billing period, and the
     plans the knowledge base's titles name ("Team plan terms" -> Team)."""
 
-    classes: tuple[dict[str, re.Pattern[str]], ...]
+    classes: tuple[re.Pattern[str], ...]  # a class's cases are its pattern's named groups
 
     @classmethod
     def of(cls, docs: Sequence[Document]) -> Qualifiers:
         plans = sorted({m.group(1) for d in docs for m in re.finditer(r"\b([A-Z][a-z]+) plan\b", d.title)})
         # a plan by its capitalised name ("business days" is no plan), or lower-case before "plan"
-        plan = {n.lower(): re.compile(rf"\b{n}\b|\b{n.lower()} plan\b") for n in plans}
-        return cls(({k: re.compile(v, re.I) for k, v in PERIODS.items()}, plan))
+        plan = "|".join(rf"(?P<{n.lower()}>\b{n}\b|\b{n.lower()} plan\b)" for n in plans) or r"(?!)"
+        periods = "|".join(f"(?P<{k}>{v})" for k, v in PERIODS.items())
+        return cls((re.compile(periods, re.I), re.compile(plan)))
 
     def named(self, text: str) -> list[set[str]]:
         """Per class, the cases text names."""
-        return [{k for k, rx in c.items() if rx.search(text)} for c in self.classes]
+        return [{str(m.lastgroup) for m in rx.finditer(text)} for rx in self.classes]
 
     def elsewhere(self, question: list[set[str]], statement: str) -> bool:
         """The statement names cases of a class that the question names, and none of the question's."""

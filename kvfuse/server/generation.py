@@ -14,8 +14,7 @@ from typing import Any
 from kvfuse.engine.decode import Decoding
 from kvfuse.kb import answer
 from kvfuse.kb.quotes import Citation
-from kvfuse.request import Generation
-from kvfuse.sampling import TokenLogprob
+from kvfuse.request import Generation, TokenLogprob
 from kvfuse.server import logprobs as lp
 from kvfuse.server.planning import Planned
 from kvfuse.server.state import ServerState

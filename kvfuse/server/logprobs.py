@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvfuse.sampling import TokenLogprob
+from kvfuse.request import TokenLogprob
 
 CONTEXT = 6  # tokens decoded before one, so that its text is what it adds there
 

@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.fuse import default_mode
 from kvfuse.kb import answer
 from kvfuse.kb.base import KnowledgeBase
 from kvfuse.kb.manifest import KBError
 from kvfuse.request import ModeUnavailableError, Ratio, Request, RequestError, owned_request
-from kvfuse.sampling import SamplingParams
 from kvfuse.server import logprobs as lp
 from kvfuse.server.auth import Principal
 from kvfuse.server.errors import ApiError

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse import w8a8
+from kvfuse.engine.sampling import SamplingParams, adjusted
 from kvfuse.groups import GroupTable
 from kvfuse.quant import QUANT_ROWS, dequantize, quantize_rows
-from kvfuse.sampling import SamplingParams, adjusted
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from kvfuse.request import TokenLogprob
+
 MIN_TEMPERATURE = 1e-4
 MAX_BIAS = 100.0  # OpenAI's range for logit_bias values; -100 bans a token, +100 all but forces it
 MAX_PENALTY = 2.0  # and for presence_penalty and frequency_penalty
@@ -104,15 +106,6 @@ def with_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tenso
     if allowed is None:
         return logits
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A chosen token's log-probability and the most likely alternatives', as (token id, logprob)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def logprob_of(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int], token: int) -> TokenLogprob:
