@@ -104,7 +104,7 @@ class CacheManager:
         caches) and its chunks' keys."""
         chunked = fuser.reads == "chunks"
         cacheable = req.prefix if chunked else tuple(req.prefix) + tuple(t for c in req.chunks for t in c)
-        behind, residual = self.chunk_preambles(fuser, req), fuse.residual_layer(fuser)
+        behind, residual = (self.chunk_preambles(fuser, req), fuse.residual_layer(fuser)) if chunked else ((), None)
         blocks = self.block_hashes(cacheable, req.salts)
         if not chunked:
             return RequestKeys(blocks)
@@ -256,13 +256,12 @@ class CacheManager:
         if fuser.reads == "nothing":
             return 0.0
         t0 = time.perf_counter()
+        keys = self.request_keys(req, fuser)
         if fuser.reads == "prefix":
-            self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin)
+            self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin, keys.blocks)
         else:
-            self.precompute_prefix(req.prefix, req.salts, pin)
-            residual = fuse.residual_layer(fuser)
-            for c, behind in zip(req.chunks, self.chunk_preambles(fuser, req), strict=True):
-                key = self.chunk_key(c, req.chunk_salt, behind, residual)
+            self.precompute_prefix(req.prefix, req.salts, pin, keys.blocks)
+            for c, behind, key in zip(req.chunks, keys.preambles, keys.chunks, strict=True):
                 if key not in self.store:  # stored in any tier is enough: the request loads it
-                    self.compute_chunk(c, key, behind, residual=residual)
+                    self.compute_chunk(c, key, behind, residual=keys.residual)
         return time.perf_counter() - t0
