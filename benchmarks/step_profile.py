@@ -60,13 +60,15 @@ def weight_bytes(engine: Engine) -> int:
     from kvfuse.packed import PackedLinear
 
     m = engine.model
-    total = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-    total += sum(4 * p.in_features * p.out_features for p in m.modules() if isinstance(p, PackedLinear))
     head = engine.greedy_head()
-    if head is not None:  # the screen reads its int8 table and row bounds, not the float32 head (its `weight`)
+    tables = {m.embed_tokens, getattr(m, "lm_head", None)} if head is not None else set()
+    # the screen reads its int8 table and row bounds, not the head itself (nor a tied table's lookups' rows)
+    mods = [mod for name, mod in m.named_children() if mod not in tables]
+    total = sum(t.numel() * t.element_size() for mod in mods for t in [*mod.parameters(), *mod.buffers()])
+    total += sum(p.dtype.itemsize * p.in_features * p.out_features for p in m.modules() if isinstance(p, PackedLinear))
+    if head is not None:
         total += sum(t.numel() * t.element_size() for k, t in vars(head).items()
                      if isinstance(t, torch.Tensor) and k != "weight")
-        total -= m.head_weight().numel() * m.head_weight().element_size()
     return total
 
 

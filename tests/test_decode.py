@@ -5,8 +5,9 @@ import torch
 from conftest import rand_ids
 
 from kvfuse.engine import Engine, Request
-from kvfuse.engine.decode import batch_limit
+from kvfuse.engine.decode import Slot, batch_limit, step_hidden, step_rows
 from kvfuse.engine.sampling import SamplingParams
+from kvfuse.model import SPLIT_KEYS
 
 
 def _request(seed: int, n_chunks: int) -> Request:
@@ -167,7 +168,8 @@ def gemma_wide(tmp_path_factory):  # type: ignore[no-untyped-def]
 
     cfg = hf_config("gemma3").to_dict()
     cfg.update(hidden_size=640, intermediate_size=2048, num_key_value_heads=1, head_dim=256, num_hidden_layers=2,
-               layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256)
+               layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256,
+               max_position_embeddings=2048)
     root = tmp_path_factory.mktemp("gemma-wide")
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(tf.Gemma3TextConfig(**cfg), dtype=torch.float32).eval()
@@ -244,3 +246,33 @@ def test_wide_drafts_verify_several_rows_and_answer_as_plain_greedy(gemma_wide, 
     # the sampled one drafts too (rejection rule), and still gets the very tokens it got alone undrafted
     assert together[-1].drafts.steps > 0
     assert greedy_steps < 22  # the greedy ones drafted in the rows the sampled one left
+
+
+@pytest.mark.parametrize("keys", [SPLIT_KEYS + 100, SPLIT_KEYS + 101])
+def test_wide_rows_over_many_keys_equal_stepping_one_token_at_a_time(gemma_wide, keys: int) -> None:
+    """Past SPLIT_KEYS keys, one kv head's weighted values are summed in two halves (`model._weighted_values`):
+    a slot's drafted rows still equal stepping their tokens one at a time, at odd and even key counts, and
+    the step's hidden states stay those of a full prefill of the same tokens."""
+    e = gemma_wide
+    if e.decode_batch_limit() < 4:
+        pytest.skip("this machine's BLAS keeps fewer than 4 rows bitwise equal at Gemma's widths")
+    toks = list(rand_ids(4, 7))
+    with torch.inference_mode():
+        req = Request(prefix=(1,) + rand_ids(keys - 5, 3), chunks=(), suffix=rand_ids(4, 4))
+        fused = e.prefill(req, room=8).fused
+        one = Slot(e.model, fused.cache, 8)
+        seq = torch.cat([step_hidden(e.model, [one], [t]) for t in toks])
+        rows = step_rows(e.model, [Slot(e.model, fused.cache, 8)], [toks])
+        full = e.model.norm(_hidden(e.model, torch.tensor(list(req.prefix + req.suffix) + toks)))[-4:]
+    assert torch.equal(rows, seq), (rows - seq).abs().max()
+    assert torch.allclose(e.model.norm(seq), full, atol=1e-3, rtol=1e-3)
+
+
+def _hidden(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The last layer's hidden states of a full causal pass (the naive path, before the final norm)."""
+    pos = torch.arange(ids.shape[0])
+    h = model.embed(ids)
+    for i in range(model.cfg.num_layers):
+        q, k, v = model.project(i, h, pos)
+        h = model.finish(i, h, model.attend(i, q, pos, k, v, pos))
+    return h
