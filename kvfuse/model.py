@@ -36,11 +36,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) - weight_offset)
         self.eps, self.offset = eps, weight_offset
+        self._scale: tuple[tuple[object, ...], torch.Tensor] | None = None
+
+    def scale(self) -> torch.Tensor:
+        """offset + weight in float32, made again only when the weight changes (a decoding step runs
+        six norms a layer, and making it was a third of their operator calls)."""
+        w = self.weight
+        key = (w.data_ptr(), w.device, w.dtype, w._version)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, self.offset + w.detach().float())
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) * (offset + weight), computed in float32 (one fused kernel)."""
-        w = self.offset + self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).type_as(x)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).type_as(x)
 
 
 class Attention(nn.Module):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfuse.config import ModelConfig, RopeSpec
+from kvfuse.fuse.buffers import POOL, Lease
 from kvfuse.kv import KVCache, Residual, one_thread
 from kvfuse.loader import LayerKV, LayerLoader, LayerSource
 from kvfuse.model import Decoder, RowPlan, RowPlans
@@ -90,12 +91,14 @@ def _memo_logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     return memo[0]
 
 
-def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty K and V buffers (layers, kv_heads, total + room, head_dim)."""
+def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0, parts: Sequence[KVCache] = ()
+             ) -> Lease:
+    """K and V buffers (layers, kv_heads, total + room, head_dim) from the pool (`buffers.py`), holding
+    the first `lease.done` of `parts` already."""
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")
     shape = (cfg.num_layers, cfg.num_kv_heads, total + room, cfg.head_dim)
-    return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    return POOL.take(shape, dtype, torch.empty(0).device, parts)
 
 
 def _fused(model: Decoder, k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, h: torch.Tensor, room: int,
@@ -151,19 +154,20 @@ def prefill(
     parts = [past] if isinstance(past, KVCache) else list(past or [])
     start = sum(len(c) for c in parts)
     end = start + ids.shape[0]
-    k_buf, v_buf = _buffers(model.cfg, end, model.compute_dtype, room)
-    _copy_in(parts, k_buf, v_buf)
-    h = _run(model, ids, k_buf, v_buf, start, pause)
-    return _fused(model, k_buf, v_buf, end, h, room)
+    bufs = _buffers(model.cfg, end, model.compute_dtype, room, parts)
+    _copy_in(parts, bufs)
+    h = _run(model, ids, bufs.k, bufs.v, start, pause)
+    return _fused(model, bufs.k, bufs.v, end, h, room)
 
 
-def _copy_in(parts: Sequence[KVCache], k_buf: torch.Tensor, v_buf: torch.Tensor) -> int:
-    at = 0
+def _copy_in(parts: Sequence[KVCache], bufs: Lease) -> None:
+    """Copy the parts into the buffers one after another, but for the first `bufs.done`, already there."""
+    at = sum(len(c) for c in parts[: bufs.done])
     with one_thread():  # many small copies (prefix blocks): see kv.one_thread
-        for c in parts:
-            k_buf[:, :, at : at + len(c)], v_buf[:, :, at : at + len(c)] = c.k, c.v
+        for c in parts[bufs.done :]:
+            bufs.k[:, :, at : at + len(c)], bufs.v[:, :, at : at + len(c)] = c.k, c.v
             at += len(c)
-    return at
+    bufs.holds(parts)
 
 
 def precompute_chunk(
@@ -186,7 +190,8 @@ def precompute_chunk(
     if start < len(pre):
         raise ValueError("a chunk cannot start inside its preamble")
     pos = torch.cat((torch.arange(len(pre)), torch.arange(start, start + len(ids))))
-    k_buf, v_buf = _buffers(model.cfg, len(pos), model.compute_dtype)
+    bufs = _buffers(model.cfg, len(pos), model.compute_dtype)
+    k_buf, v_buf = bufs.k, bufs.v
     h = model.embed(torch.cat((pre, ids)))
     last = model.cfg.num_layers - 1
     plan = RowPlan(model.cfg, pos)
@@ -376,8 +381,9 @@ class _Pass:
             raise ValueError("every chunk cache needs its token ids, of the same length")
         total = layout.chunks_begin + n_c + int(layout.suffix.shape[0])
         if resume is None:
-            k_buf, v_buf = _buffers(cfg, total, model.compute_dtype, ctx.room)
-            _copy_in(layout.prefix, k_buf, v_buf)
+            bufs = _buffers(cfg, total, model.compute_dtype, ctx.room, layout.prefix)
+            _copy_in(layout.prefix, bufs)
+            k_buf, v_buf = bufs.k, bufs.v
         else:
             k_buf, v_buf = resume.placed
             if k_buf.shape[2] < total or k_buf.shape[0] != cfg.num_layers:
