@@ -303,7 +303,10 @@ class Decoder(nn.Module):
             # keys times queries, not queries times keys: the BLAS reads a long key matrix in this
             # orientation at memory speed, and four times slower in the other (docs/benchmarks.md, stop 50)
             scores = (k @ qg.transpose(1, 2)).transpose(1, 2).contiguous()
-            probs = torch.softmax(scores.float() * cfg.query_scale, dim=-1).to(v.dtype)
+            if scores.dtype != torch.float32:
+                scores = scores.float()
+            probs = torch.softmax(scores * cfg.query_scale, dim=-1)
+            probs = probs if probs.dtype == v.dtype else probs.to(v.dtype)
             out = _weighted_values(probs, v).reshape(cfg.num_heads, tq, cfg.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 

@@ -105,11 +105,12 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
         outs = []
         at = 0
         for s, n, m in spans:
-            s.k[i, :, n : n + m], s.v[i, :, n : n + m] = k[:, at : at + m], v[:, at : at + m]
+            ki, vi = s.k[i], s.v[i]  # (kv_heads, T, head_dim)
+            ki[:, n : n + m], vi[:, n : n + m] = k[:, at : at + m], v[:, at : at + m]
             for r in range(m):  # row r sits at position n + r
-                lo = max(0, n + r + 1 - w) if w is not None else 0
-                outs.append(model.attend_all(i, q[:, at + r : at + r + 1], s.k[i, :, lo : n + r + 1],
-                                             s.v[i, :, lo : n + r + 1]))
+                end = n + r + 1  # its keys: up to its own position, within the window
+                lo = max(0, end - w) if w is not None else 0
+                outs.append(model.attend_all(i, q[:, at + r : at + r + 1], ki[:, lo:end], vi[:, lo:end]))
             at += m
         h = model.finish(i, h, torch.cat(outs + [pad]))
     for s, _, m in spans:
