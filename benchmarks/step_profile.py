@@ -34,6 +34,8 @@ from kvfuse.text import Tokenizer  # noqa: E402
 GROUPS = {  # operator name fragment -> group (first match wins)
     "_weight_int8pack_mm": "weight matmuls", "mkldnn::_linear_pointwise": "weight matmuls",
     "aten::mm": "weight matmuls", "aten::addmm": "weight matmuls",
+    "quantized::linear": "weight matmuls",  # FBGEMM: the greedy head's int8 screen (and w8a8's linears)
+    "aten::bmm": "attention",  # a decoding row's attention: keys times queries, then the weighted values
     "aten::linear": None, "aten::matmul": None,  # wrappers: their time is in their children
     "scaled_dot_product": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::copy_": "copies and KV writes", "aten::index_put": "copies and KV writes",
@@ -69,6 +71,8 @@ def weight_bytes(engine: Engine) -> int:
     if head is not None:
         total += sum(t.numel() * t.element_size() for k, t in vars(head).items()
                      if isinstance(t, torch.Tensor) and k != "weight")
+        if head.kernel == "w8a8":  # FBGEMM's packed int8 rows, not a tensor (its `q` is emptied)
+            total += head.weight.shape[0] * head.weight.shape[1]
     return total
 
 
@@ -81,6 +85,7 @@ def group_of(name: str) -> str | None:
 
 def profile(engine: Engine, req, steps: int) -> tuple[float, dict[str, float]]:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=2 * steps + 2, ignore_eos=True)
+    engine.draft_tokens = 0  # one token a step: drafts would finish the request early (MuSiQue copies)
     d = engine.begin(req, "full", params=params)
     engine.advance([d])  # warm: the slot is made here
     t0 = time.perf_counter()
