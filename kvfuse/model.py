@@ -301,13 +301,16 @@ class Decoder(nn.Module):
             kv_heads, tq = k.shape[0], q.shape[1]
             qg = q.reshape(kv_heads, -1, cfg.head_dim)  # the query heads that share a kv head, stacked
             # keys times queries, not queries times keys: the BLAS reads a long key matrix in this
-            # orientation at memory speed, and four times slower in the other (docs/benchmarks.md, stop 50)
-            scores = (k @ qg.transpose(1, 2)).transpose(1, 2).contiguous()
-            if scores.dtype != torch.float32:
-                scores = scores.float()
-            probs = torch.softmax(scores * cfg.query_scale, dim=-1)
+            # orientation at memory speed, and four times slower in the other (docs/benchmarks.md, stop 50).
+            # Few operator calls: a draft step makes this call for every row on every layer.
+            scores = torch.bmm(k, qg.transpose(1, 2)).transpose(1, 2).contiguous()  # this call's own tensor
+            scores = scores.mul_(cfg.query_scale) if scores.dtype == torch.float32 else scores.float() * cfg.query_scale
+            probs = torch.softmax(scores, dim=-1)
             probs = probs if probs.dtype == v.dtype else probs.to(v.dtype)
-            out = _weighted_values(probs, v).reshape(cfg.num_heads, tq, cfg.head_dim)
+            out = _weighted_values(probs, v)
+            if tq == 1:  # (kv_heads, heads/kv_heads, D) is already (1, heads*D) in memory
+                return out.reshape(1, cfg.num_heads * cfg.head_dim)
+            out = out.reshape(cfg.num_heads, tq, cfg.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
     def attention_to(
@@ -439,7 +442,7 @@ def _query_blocks(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, in
     return blocks
 
 
-SPLIT_KEYS = 512  # `_weighted_values` splits the keys in two from this many on
+SPLIT_KEYS = 1024  # `_weighted_values` splits the keys in two from this many on (a sliding layer of 512 never)
 
 
 def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -450,10 +453,10 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     kv_heads, tq, n = probs.shape
     half = n // 2
     if kv_heads != 1 or n < SPLIT_KEYS:
-        return probs @ v
+        return torch.bmm(probs, v)
     halves = probs[0, :, : 2 * half].unflatten(-1, (2, half)).transpose(0, 1)  # (2, Tq, half)
-    out = (halves @ v[0, : 2 * half].unflatten(0, (2, half))).sum(0, keepdim=True)
-    return out + probs[:, :, 2 * half :] @ v[:, 2 * half :] if n % 2 else out
+    out = torch.bmm(halves, v[0, : 2 * half].unflatten(0, (2, half))).sum(0, keepdim=True)
+    return out + torch.bmm(probs[:, :, 2 * half :], v[:, 2 * half :]) if n % 2 else out
 
 
 def _softcapped_attention(
