@@ -24,7 +24,7 @@ from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.groups import GroupEmbedding, GroupLinear, GroupTable
 from kvfuse.packed import PackedLinear
 from kvfuse.quant import Int8Embedding, Int8Linear
-from kvfuse.rope import apply_rope, rope_cos_sin
+from kvfuse.rope import rope_cos_sin, rotate, signed_sin
 from kvfuse.w8a8 import W8A8Linear
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
@@ -140,10 +140,11 @@ class RowPlan:
         self._blocks: dict[int | None, list[AttnBlock]] = {}
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (T, head_dim) of the query positions for that layer's RoPE."""
+        """cos and signed sin (`rope.signed_sin`), (T, head_dim), of the query positions for that layer's RoPE."""
         spec = self.cfg.rope(layer)
         if spec not in self._rope:
-            self._rope[spec] = rope_cos_sin(self.q_pos, self.cfg.head_dim, spec)
+            cos, sin = rope_cos_sin(self.q_pos, self.cfg.head_dim, spec)
+            self._rope[spec] = cos, signed_sin(sin)
         return self._rope[spec]
 
     def blocks(self, layer: int) -> list[AttnBlock]:
@@ -242,13 +243,14 @@ class Decoder(nn.Module):
         if plan is not None:
             assert plan.q_pos.shape == pos.shape, "a plan is for the positions it was made of"
             return plan.rope(i)
-        return rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope(i))
+        return cos, signed_sin(sin)
 
     def _query(self, i: int, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Projected queries (T, heads*D) -> normed and rotated (heads, T, D)."""
         cfg, attn = self.cfg, self.block(i).self_attn
         q = q.reshape(q.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        return apply_rope(attn.q_norm(q) if attn.q_norm is not None else q, cos, sin)
+        return rotate(attn.q_norm(q) if attn.q_norm is not None else q, cos, sin)
 
     def _key_value(self, i: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +258,7 @@ class Decoder(nn.Module):
         cfg, attn = self.cfg, self.block(i).self_attn
         k = k.reshape(k.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = v.reshape(v.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        return apply_rope(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin), v
+        return rotate(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin), v
 
     def attend(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,

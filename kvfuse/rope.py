@@ -55,6 +55,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: `rotate` multiplies x's halves swapped by it."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(x, cos, sin)` given ssin = signed_sin(sin), bit for bit (-a * b is a * -b exactly), in
+    four operator calls instead of seven: what every layer of a decoding step runs for q and k."""
+    half = x.shape[-1] // 2
+    if x.dtype == cos.dtype:
+        return (x * cos) + (x.roll(half, -1) * ssin)
+    xf = x.float()
+    return ((xf * cos.float()) + (xf.roll(half, -1) * ssin.float())).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., T, D) by per-position cos/sin (T, D); a low-precision x is rotated in float32 and
     rounded once (bfloat16 cos and sin would be off by a degree at a few thousand positions)."""

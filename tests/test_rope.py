@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfuse.config import RopeSpec
-from kvfuse.rope import apply_rope, inv_freq, rerotate, rope_cos_sin
+from kvfuse.rope import apply_rope, inv_freq, rerotate, rope_cos_sin, rotate, signed_sin
 
 SPECS = {
     "default": RopeSpec(base=10000.0),
@@ -99,3 +99,16 @@ def test_rerotate_into_writes_what_rerotate_returns(shift: int, jitter: bool, ki
     rerotate_into(out, k, src, dst, 32, SPECS[kind])
     want = rerotate(k.float(), src, dst, 32, SPECS[kind])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_with_a_signed_sin_is_apply_rope_bit_for_bit(dtype: torch.dtype) -> None:
+    """The layers rotate q and k with `rotate` (the halves swapped times a sin whose first half is
+    negated); every other caller and the cached keys use `apply_rope`: the two must agree exactly."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 9, 32, generator=g) * 5).to(dtype)
+    pos = torch.tensor([0, 1, 2, 7, 100, 4095, 4096, 10_000, 131_071])
+    cos, sin = rope_cos_sin(pos, 32, RopeSpec(base=10000.0))
+    assert torch.equal(rotate(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
+    assert torch.equal(rotate(x.transpose(0, 1), cos[:, None], signed_sin(sin)[:, None]),
+                       apply_rope(x.transpose(0, 1), cos[:, None], sin[:, None]))  # strided, as a layer's q
