@@ -66,7 +66,8 @@ def test_token_accounting(tiny_engines) -> None:
         "prompt": 71, "prefilled": 71, "reused": 0, "recomputed": 0, "cached": 0}
     e.precompute(req, "prefix")
     c = e.generate(req, "prefix", params=GREEDY).counts
-    assert (c.prompt, c.reused, c.prefilled, c.cached) == (71, 64, 7, 64)  # 4 full blocks before the question
+    # 4 full blocks and the 2-token tail of the 66 tokens before the question (`CacheManager.tail_key`)
+    assert (c.prompt, c.reused, c.prefilled, c.cached) == (71, 66, 5, 66)
     cold = Request(prefix=req.prefix, chunks=tuple(rand_ids(10, 90 + i) for i in range(3)), suffix=req.suffix)
     c = e.generate(cold, "blend", 0.5, GREEDY).counts  # chunks computed on a miss are reused, not cached
     assert c.reused == 16 + 30 and c.cached == 16
@@ -454,3 +455,24 @@ def test_a_constraint_masks_every_token_and_ends_the_answer(tiny_engines, temper
         assert screened.tokens == g.tokens
     assert other.close().tokens == e.generate(req, "full", params=SamplingParams(max_tokens=10,
                                                                                   ignore_eos=True)).tokens
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_prefix_tail_is_read_from_the_store_and_answers_as_full(tiny_engines, family: str) -> None:
+    """A prefix that ends inside a block: its tail is stored under its own key (by `precompute`, or by the
+    first request that computes it) and read with the blocks, so the question alone is computed, with
+    the tokens a full prefill gives; another tail after the same blocks is not a hit."""
+    e: Engine = tiny_engines[family]
+    prefix = (1,) + rand_ids(44, 21)  # 2 full blocks and a 13-token tail
+    req = Request(prefix=prefix, chunks=(), suffix=rand_ids(6, 22))
+    full = e.generate(req, "full", params=GREEDY)
+    first = e.generate(req, "prefix", params=GREEDY)  # computes everything, then stores the blocks and tail
+    again = e.generate(req, "prefix", params=GREEDY)
+    assert (first.counts.cached, again.counts.cached, again.counts.prefilled) == (0, 45, 6)
+    assert first.tokens == again.tokens == full.tokens
+    diff = (again.first_logits - full.first_logits).abs().max() / full.first_logits.abs().max().clamp_min(1.0)
+    assert diff <= 1e-4
+    other = Request(prefix=prefix[:-1] + (prefix[-1] % 100 + 3,), chunks=(), suffix=req.suffix)
+    e.precompute(other, "prefix")  # its own tail, stored ahead of the request
+    got = e.generate(other, "prefix", params=GREEDY)
+    assert got.counts.cached == 45 and got.tokens == e.generate(other, "full", params=GREEDY).tokens

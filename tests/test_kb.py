@@ -56,7 +56,7 @@ def test_real_tokenizer_serialization_of_the_bundled_kb() -> None:
 
 def test_edit_recomputes_from_the_changed_block(kb, tmp_path) -> None:
     first = kb.build("support")
-    assert first.tokens_reused == 0 and first.tokens_recomputed == first.tokens_total // 16 * 16
+    assert first.tokens_reused == 0 and first.tokens_recomputed == first.tokens_total  # the tail too
     again = kb.build("support")
     assert again.loaded and again.tokens_recomputed == 0
     plan = kb.plan("support")
@@ -72,7 +72,7 @@ def test_edit_recomputes_from_the_changed_block(kb, tmp_path) -> None:
                              "Team plan: 31 days to return an annual charge."))
     edit_first = kb.build("support")
     assert plans.start // 16 * 16 <= edit_first.tokens_reused < plans.end
-    assert edit_first.tokens_recomputed == edit_first.tokens_total // 16 * 16 - edit_first.tokens_reused
+    assert edit_first.tokens_recomputed == edit_first.tokens_total - edit_first.tokens_reused
     assert edit_first.tokens_recomputed > 3 * last.tokens_recomputed
     assert n_full > 0
 
@@ -85,8 +85,9 @@ def test_ask_answers_from_the_cache_and_recomputes_nothing_between_questions(kb)
     plan = kb.plan("support")
     for a, q in ((a1, "How many days?"), (a2, "Which day are invoices issued?")):
         suffix = len(CharTokenizer().encode(f"Question: {q}\nAnswer:"))
-        assert a.tokens["cached"] == len(plan.ids) // 16 * 16
-        assert a.tokens["computed"] == len(plan.ids) % 16 + suffix  # the partial last block and the question
+        assert len(plan.ids) % 16  # a partial last block: the build stored its tail entry (`CacheManager.tail_key`)
+        assert a.tokens["cached"] == len(plan.ids)
+        assert a.tokens["computed"] == suffix  # the question alone
         assert a.tokens["prompt"] == len(plan.ids) + suffix
         assert a.cost_units["write"] == 0 and a.cost_units["read"] == pytest.approx(a.tokens["cached"] * 0.1)
         assert a.cached_token_share == pytest.approx(a.tokens["cached"] / a.tokens["prompt"], abs=1e-4)
@@ -138,8 +139,12 @@ def test_groups_get_their_own_prefix_and_never_share_entries(kb) -> None:
     kb.build("leads")
     assert kb.cached_tokens(support) == 0  # nothing of leads' cache is a hit for support
     before = kb.engine.store.stats.snapshot()
+    kb.ask("Margin?", "support", quote=False, max_tokens=2)  # support's own blocks, built on demand
+    assert kb.cached_tokens(support) == len(support.ids)
     kb.ask("Margin?", "support", quote=False, max_tokens=2)
-    assert kb.engine.store.stats.since(before).hits == len(h_support)  # support's own blocks, built on demand
+    # support's own entries only: the build read its blocks once to compute the tail after them, and each
+    # question read the blocks and the tail
+    assert kb.engine.store.stats.since(before).hits == len(h_support) + 2 * (len(h_support) + 1)
     with pytest.raises(KBError, match="unknown group"):
         kb.plan("admins")
 
@@ -150,7 +155,7 @@ def test_tenant_salts_keep_private_segments_private(kb) -> None:
     kb.build("support", "tenant-a")
     shared_blocks = first_private.start // 16
     assert kb.cached_tokens(b) == shared_blocks * 16  # the shared plan terms still hit, the rest never does
-    assert kb.cached_tokens(a) == len(a.ids) // 16 * 16
+    assert kb.cached_tokens(a) == len(a.ids)  # its blocks and its tail
     ha, hb = kb.engine.cache.block_hashes(a.ids, a.salts), kb.engine.cache.block_hashes(b.ids, b.salts)
     assert ha[:shared_blocks] == hb[:shared_blocks] and not set(ha[shared_blocks:]) & set(hb[shared_blocks:])
     chunk = tuple(CharTokenizer().encode("a tenant's own ticket"))
@@ -289,7 +294,7 @@ def test_a_question_on_a_built_prefix_hashes_its_blocks_at_most_once(kb, monkeyp
 
     monkeypatch.setattr(keys, "hash_block_tokens", counting)
     plan = kb.plan("support")
-    blocks = len(plan.ids) // 16
+    blocks = len(plan.ids) // 16 + 1  # and the partial last block's tail
     kb.build("support")
     assert len(calls) == blocks  # the build hashed them, once
     calls.clear()

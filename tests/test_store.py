@@ -57,3 +57,19 @@ def test_memory_tier_is_lru_by_bytes_and_keeps_pins() -> None:
     assert tier.used_bytes <= tier.capacity_bytes and tier.stats.evictions == 1
     assert not tier.put("huge", _cache(40))  # type: ignore[arg-type]
     assert tier.get("zzz") is None and tier.stats.misses == 1  # type: ignore[arg-type]
+
+
+def test_a_prefix_tail_has_a_key_no_full_block_has() -> None:
+    from kvfuse.store.keys import SaltRange, tail_block_hash
+
+    root = root_hash("m", torch.float32)
+    toks = list(range(40))
+    hashes = prefix_block_hashes(root, toks, 16)
+    tail = tail_block_hash(hashes[-1], toks, 16)
+    assert tail is not None and tail not in hashes
+    assert tail_block_hash(hashes[-1], toks[:32], 16) is None  # on a block boundary: no tail
+    longer = prefix_block_hashes(root, toks + list(range(100, 108)), 16)  # the tail's block filled
+    assert tail not in longer and longer[:2] == hashes
+    assert tail_block_hash(hashes[-1], toks[:39] + [99], 16) != tail  # its tokens
+    assert tail_block_hash(hashes[0], toks, 16) != tail  # what it follows
+    assert tail_block_hash(hashes[-1], toks, 16, salts=[SaltRange(35, 40, "tenant:a")]) != tail  # its salts

@@ -202,14 +202,19 @@ class Engine:
             counts.prefilled = len(req)
             return Prefilled(fused, counts, fuser.name, None, fuser=fuse.spec_of(fuser))
         if fuser.reads == "prefix":
-            hashes = self.cache.request_keys(req, fuser).blocks
-            hit = self.cache.read_prefix(hashes)
-            n_hit = len(hit) * self.block_size
-            fused = fuser.fuse(self.model, FuseLayout.of(hit, (), suffix, prefix_tail=_ids(cacheable[n_hit:])), None,
-                               ctx)
+            keys = self.cache.request_keys(req, fuser)
+            hit = self.cache.read_prefix(keys.blocks)
+            n_full = len(keys.blocks) * self.block_size
+            end = self.cache.read_tail(keys.tail, len(cacheable) - n_full) if len(hit) == len(keys.blocks) else None
+            parts = hit + [end] if end is not None else hit  # the full blocks and the prefix's stored tail
+            n_hit = sum(len(c) for c in parts)
+            fused = fuser.fuse(self.model, FuseLayout.of(parts, (), suffix, prefix_tail=_ids(cacheable[n_hit:])),
+                               None, ctx)
             counts.reused, counts.prefilled, counts.cached = n_hit, len(req) - n_hit, n_hit
-            return Prefilled(fused, counts, fuser.name, None, [lambda: self.cache.store_prefix(hashes, fused.cache)],
-                             fuser=fuse.spec_of(fuser))
+            stores: list[Callable[[], object]] = [
+                lambda: self.cache.store_prefix(keys.blocks, fused.cache),
+                lambda: self.cache.store_tail(keys.tail, fused.cache, n_full, len(cacheable))]
+            return Prefilled(fused, counts, fuser.name, None, stores, fuser=fuse.spec_of(fuser))
         # the fusing modes: stored prefix blocks, the prefix's uncached tail computed with the suffix
         keys = self.cache.request_keys(req, fuser)
         hit = self.cache.read_prefix(keys.blocks)

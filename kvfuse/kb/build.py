@@ -1,7 +1,8 @@
 """Building a group's cached prefix: compute the blocks not stored yet (an edit recomputes from the
 first changed block to the end), store them pinned, and record what was built beside the store so the
-next build unpins what an edit made obsolete. When every block is stored already (a restart, say), the
-build only reads them, so the first question finds them in memory.
+next build unpins what an edit made obsolete; then the partial last block's tail entry, unpinned, so a
+question computes only itself. When everything is stored already (a restart, say), the build only
+reads it, so the first question finds it in memory.
 
 The plan's block hashes are computed once (`CacheManager.block_hashes`) and sliced for every step.
 """
@@ -41,15 +42,19 @@ class BuildReport:
 
 
 def stored_tokens(kb: KBState, plan: PrefixPlan) -> int:
-    """How many of the prefix's tokens are stored, as a run of full blocks from the start."""
+    """How many of the prefix's tokens are stored: a run of full blocks from the start, and the partial
+    last block's tail entry (`CacheManager.tail_key`) once every full block is."""
     cache = kb.engine.cache
-    return cache.stored_blocks(cache.block_hashes(plan.ids, plan.salts)) * cache.block_size
+    hashes = cache.block_hashes(plan.ids, plan.salts)
+    n = cache.stored_blocks(hashes)
+    tail = cache.tail_key(plan.ids, plan.salts, hashes)
+    full = n == len(hashes) and tail is not None and tail in cache.store
+    return n * cache.block_size + (len(plan.ids) - n * cache.block_size if full else 0)
 
 
 def needs_build(kb: KBState, plan: PrefixPlan) -> bool:
-    """Some full block of the prefix is not stored."""
-    bs = kb.engine.cache.block_size
-    return stored_tokens(kb, plan) < len(plan.ids) // bs * bs
+    """Some token of the prefix is not stored."""
+    return stored_tokens(kb, plan) < len(plan.ids)
 
 
 def build(kb: KBState, plan: PrefixPlan, progress: bool = False) -> BuildReport:
@@ -65,22 +70,30 @@ def build(kb: KBState, plan: PrefixPlan, progress: bool = False) -> BuildReport:
     # Replicas sharing a Redis tier build a prefix once: the others wait for the lock, then find every
     # block stored and only read them (a holder that dies frees the lock after its TTL).
     with cache.store.exclusive(f"prefix:{hashes[-1]}" if hashes else "prefix:none"):
-        reused = cache.stored_blocks(hashes) * bs
-        loaded = reused == n_full
+        reused = stored_tokens(kb, plan)
+        loaded = reused == len(plan.ids)
         computed = 0
         if loaded:  # stored already: read every block once, so the first question finds them in memory
+            tail = cache.tail_key(plan.ids, plan.salts, hashes)
             with one_thread():
                 for h in hashes:
                     cache.store.pin(h)
                     cache.store.get(h)
+                if tail is not None:
+                    cache.store.get(tail)
         else:
-            steps = list(range(reused + BUILD_STEP - reused % BUILD_STEP, n_full, BUILD_STEP)) + [n_full]
-            with tqdm(total=n_full - reused, desc=f"building {kb.name}/{plan.group}", unit="tok",
+            start = min(reused, n_full)
+            steps = list(range(start + BUILD_STEP - start % BUILD_STEP, n_full, BUILD_STEP)) + [n_full]
+            with tqdm(total=len(plan.ids) - reused, desc=f"building {kb.name}/{plan.group}", unit="tok",
                       disable=not progress) as bar:
                 for end in steps:
                     c = cache.precompute_prefix(plan.ids[:end], plan.salts, pin=True, hashes=hashes[: end // bs])
                     computed += c
                     bar.update(c)
+                # the partial last block, after the full ones: stored unpinned (computed again if evicted)
+                c = cache.precompute_prefix(plan.ids, plan.salts, pin=True, hashes=hashes)
+                computed += c
+                bar.update(c)
             cache.store.flush()  # in every tier (Redis too) before the lock is released
     report = BuildReport(kb.name, plan.group, plan.tenant, plan.version, len(plan.ids), reused, computed,
                          round(time.perf_counter() - t0, 4), n_full * cache.kv_bytes_per_token, loaded)

@@ -67,11 +67,24 @@ def block_extra_keys(salts: Sequence[SaltRange], start: int, end: int) -> list[s
     return sorted({s.key for s in salts if s.start < end and start < s.end})
 
 
+def tail_block_hash(parent: BlockHash, tokens: Sequence[int], block_size: int, salts: Sequence[SaltRange] = ()
+                    ) -> BlockHash | None:
+    """The key of tokens' trailing partial block (fewer than block_size tokens), chained after their last
+    full block (`parent`: its hash, or the root when there is none); None when tokens end on a block
+    boundary. The hash covers the partial block's tokens, so it never equals a full block's key: a
+    longer prefix that fills the block keys it as a full block, and finds no tail entry."""
+    start = len(tokens) // block_size * block_size
+    if start == len(tokens):
+        return None
+    return hash_block_tokens(parent, tokens[start:], block_extra_keys(salts, start, len(tokens)) if salts else ())
+
+
 def prefix_block_hashes(
     root: BlockHash, tokens: Sequence[int], block_size: int, extra_keys: Sequence[str] = (),
     salts: Sequence[SaltRange] = (),
 ) -> list[BlockHash]:
-    """Chained hashes of the full blocks of tokens (a trailing partial block is not cacheable).
+    """Chained hashes of the full blocks of tokens (a trailing partial block has its own key:
+    `tail_block_hash`).
 
     Every block gets extra_keys, plus the keys of the salts whose range it overlaps (per-range salts:
     a tenant's private documents are salted, shared ones are not). Because hashes chain, a block after
