@@ -7,9 +7,10 @@
    the keys batched) against the formulation before it (queries times keys, one product for the values),
    both on the same tensors, interleaved; and whole decoding steps (`decode.step_rows`, 1 and 4 rows)
    with each of the two, on the real model with a random 10k-token cache.
-2. **A question's TTFT on the cached Albarán prefix** (`prefix` mode, about 10k tokens) with the buffer
-   pool (`fuse.buffers`: kept buffers, the prefix already in place) and without it (`keep = 0`: new
-   buffers every time, every block copied), interleaved.
+2. **A question's TTFT on the cached Albarán prefix** (`prefix` mode, about 10k tokens): with the buffer
+   pool (`fuse.buffers`: kept buffers, the prefix already in place) and the prefix's tail entry
+   (`CacheManager.tail_key`: only the question computed); with the pool but the tail computed again; and
+   as at stop 48 (`keep = 0`: new buffers every time, every block copied, the tail computed), interleaved.
 Medians of `--rounds` rounds, ratios per round; the CPU is printed with them.
 """
 
@@ -114,21 +115,26 @@ def ttft(engine: Engine, rounds: int, store: str) -> None:
     req = answer.prepare(kb, "How many days does a Team plan customer have to ask for a refund on an annual "
                          "renewal?", "support").request
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    keep = POOL.keep
-    times: dict[str, list[float]] = {"pool": [], "new buffers": []}
+    keep, read_tail = POOL.keep, engine.cache.read_tail
+    variants = {"pool and tail entry (now)": (keep, True), "pool, the tail computed (no tail entry)": (keep, False),
+                "new buffers, the tail computed (stop 48)": (0, False)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     engine.generate(req, "prefix", params=params)  # warm: the screen is built, the blocks are in memory
     for _ in range(rounds):
-        for name, k in (("pool", keep), ("new buffers", 0)):
+        for name, (k, tail) in variants.items():
             POOL.keep = k
+            engine.cache.read_tail = read_tail if tail else (lambda key, n: None)  # type: ignore[method-assign]
             times[name].append(statistics.median(engine.generate(req, "prefix", params=params).ttft_s
                                                  for _ in range(3)))
-    POOL.keep = keep
+    POOL.keep, engine.cache.read_tail = keep, read_tail  # type: ignore[method-assign]
     print(f"\n2. A question's TTFT on the cached Albarán prefix ({len(req)} tokens, {engine.precision}), "
           f"median of {rounds} rounds\n")
     print("| buffers | TTFT (ms) |\n|---|---|")
     for name, ts in times.items():
         print(f"| {name} | {1000 * statistics.median(ts):.1f} |")
-    print(f"\npool / new buffers: **{median_ratio(times['pool'], times['new buffers']):.2f}**")
+    base = times["new buffers, the tail computed (stop 48)"]
+    for name, ts in times.items():
+        print(f"{name} / stop 48's: **{median_ratio(ts, base):.2f}**")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
