@@ -114,3 +114,20 @@ def test_questions_on_a_stored_prefix_answer_as_with_fresh_buffers(tiny_engines)
     while not all(d.done for d in batch):
         e.advance(batch)
     assert got == want and [d.close().tokens for d in batch] == want[:3]
+
+
+def test_a_kept_buffer_does_not_keep_the_blocks_it_holds_alive() -> None:
+    """An evicted block, or a converted copy made for one request, is freed: the record matches nothing."""
+    import gc
+    import weakref
+
+    pool = BufferPool(keep=1)
+    blocks = _blocks(3, 4)
+    a = pool.take(SHAPE, torch.float32, torch.device("cpu"), blocks)
+    a.holds(blocks)
+    del a
+    alive = weakref.ref(blocks[0].k)
+    del blocks
+    gc.collect()
+    assert alive() is None
+    assert pool.take(SHAPE, torch.float32, torch.device("cpu"), _blocks(3, 4)).done == 0  # equal values, new objects

@@ -178,26 +178,27 @@ class CacheManager:
                     self.store.pin(h)
 
     def precompute_prefix(self, tokens: Sequence[int], salts: Sequence[SaltSpan] = (), pin: bool = False,
-                          hashes: Sequence[BlockHash] | None = None) -> int:
-        """Store the full blocks of a prefix, computing only those not stored; returns the tokens computed.
+                          hashes: Sequence[BlockHash] | None = None, tail: bool = True) -> int:
+        """Store the full blocks of a prefix, and its tail entry (`tail_key`) unless `tail` is False,
+        computing only what is not stored; returns the tokens computed.
 
         `hashes` may be given when they are known (the first blocks of a longer prefix's hashes)."""
         hashes = self.block_hashes(tokens, salts) if hashes is None else hashes
         n_full = len(hashes) * self.block_size
-        tail = self.tail_key(tokens, salts, hashes)
+        tail_key = self.tail_key(tokens, salts, hashes) if tail else None
         stored = self.stored_blocks(hashes)
-        if stored == len(hashes) and (tail is None or tail in self.store):  # the request itself loads it
+        if stored == len(hashes) and (tail_key is None or tail_key in self.store):  # the request loads it
             if pin:
                 for h in hashes:
                     self.store.pin(h)
             return 0
         hit = self.read_prefix(hashes)
         n_hit = len(hit) * self.block_size
-        end = n_full if tail is None else len(tokens)
+        end = n_full if tail_key is None else len(tokens)
         exact = KVCache.concat(hit) if n_hit == end else fuse.prefill(
             self.model, torch.tensor(list(tokens[n_hit:end]), dtype=torch.int64), past=hit).cache
         self.store_prefix(hashes, exact, pin)
-        self.store_tail(tail, exact, n_full, end)
+        self.store_tail(tail_key, exact, n_full, end)
         return end - stored * self.block_size
 
     # -- chunks ------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class CacheManager:
         if fuser.reads == "prefix":
             self.precompute_prefix(list(req.prefix) + [t for c in req.chunks for t in c], req.salts, pin, keys.blocks)
         else:
-            self.precompute_prefix(req.prefix, req.salts, pin, keys.blocks)
+            self.precompute_prefix(req.prefix, req.salts, pin, keys.blocks, tail=False)  # (the fusers read no tail)
             for c, behind, key in zip(req.chunks, keys.preambles, keys.chunks, strict=True):
                 if key not in self.store:  # stored in any tier is enough: the request loads it
                     self.compute_chunk(c, key, behind, residual=keys.residual)

@@ -6,8 +6,9 @@ blocks into new buffers took 176 ms, into buffers already mapped 28 ms (docs/ben
 So buffers go back to a pool when the last tensor that views them is gone, and the next prompt takes
 them instead of new ones.
 
-A buffer also remembers the stored blocks copied into its first positions (`held`: the very `KVCache`
-objects, kept alive, so that none is freed and replaced by another at the same address). Every writer
+A buffer also remembers the stored blocks copied into its first positions (`held`: weak references to
+their very K and V tensors, so a block that was evicted, or a converted copy made for one request,
+matches nothing and is not kept alive). Every writer
 of a pooled buffer writes only after the blocks it copied in (a prefill computes its new tokens after
 its past, a fuser places chunks after the exact prefix, decoding appends), so those positions still
 hold the blocks when the buffer comes back. A prompt that starts with the same blocks (the next
@@ -23,6 +24,7 @@ buffer is kept). Buffers are handed out as views, so every reader adds to that c
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,11 +40,18 @@ def _use_count(t: torch.Tensor) -> int | None:
     return None if count is None else int(count(t.untyped_storage()._cdata))
 
 
+Held = tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]  # a block's K and V, not kept alive
+
+
+def _held(c: KVCache) -> Held:
+    return weakref.ref(c.k), weakref.ref(c.v)
+
+
 @dataclass(eq=False, slots=True)
 class _Entry:
     k: torch.Tensor
     v: torch.Tensor
-    held: tuple[KVCache, ...] = ()  # the blocks at its first positions, in order
+    held: tuple[Held, ...] = ()  # the blocks at its first positions, in order
 
     def free(self) -> bool:
         # the pool's tensor and the storage object made to ask: nobody else holds a view
@@ -50,8 +59,8 @@ class _Entry:
 
     def matching(self, parts: Sequence[KVCache]) -> int:
         n = 0
-        for have, want in zip(self.held, parts, strict=False):
-            if have is not want:
+        for (k, v), want in zip(self.held, parts, strict=False):
+            if k() is not want.k or v() is not want.v:
                 break
             n += 1
         return n
@@ -69,7 +78,7 @@ class Lease:
 
     def holds(self, parts: Sequence[KVCache]) -> None:
         if self.entry is not None:
-            self.entry.held = tuple(parts)
+            self.entry.held = tuple(_held(c) for c in parts)
 
 
 class BufferPool:

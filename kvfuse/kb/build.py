@@ -53,8 +53,10 @@ def stored_tokens(kb: KBState, plan: PrefixPlan) -> int:
 
 
 def needs_build(kb: KBState, plan: PrefixPlan) -> bool:
-    """Some token of the prefix is not stored."""
-    return stored_tokens(kb, plan) < len(plan.ids)
+    """Some full block of the prefix is not stored. (A missing tail entry alone, unpinned and perhaps
+    evicted, is not worth a build on a question's path: the next `prefix` request stores it again.)"""
+    bs = kb.engine.cache.block_size
+    return stored_tokens(kb, plan) < len(plan.ids) // bs * bs
 
 
 def build(kb: KBState, plan: PrefixPlan, progress: bool = False) -> BuildReport:
@@ -95,6 +97,7 @@ def build(kb: KBState, plan: PrefixPlan, progress: bool = False) -> BuildReport:
                 computed += c
                 bar.update(c)
             cache.store.flush()  # in every tier (Redis too) before the lock is released
+            reused = len(plan.ids) - computed  # a tail found stored after missing blocks counts as reused
     report = BuildReport(kb.name, plan.group, plan.tenant, plan.version, len(plan.ids), reused, computed,
                          round(time.perf_counter() - t0, 4), n_full * cache.kv_bytes_per_token, loaded)
     _record(kb, plan, hashes, report)
