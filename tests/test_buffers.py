@@ -8,12 +8,12 @@ from conftest import rand_ids
 from kvfuse import fuse
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.sampling import SamplingParams
-from kvfuse.fuse.buffers import POOL, BufferPool, _use_count
+from kvfuse.fuse.buffers import COUNTS, POOL, BufferPool
 from kvfuse.kv import KVCache
 
 SHAPE = (2, 1, 40, 8)
 
-pytestmark = pytest.mark.skipif(_use_count(torch.empty(0)) is None, reason="this PyTorch cannot count storage users")
+pytestmark = pytest.mark.skipif(not COUNTS, reason="this PyTorch cannot count storage users")
 
 
 def _blocks(n: int, seed: int) -> list[KVCache]:

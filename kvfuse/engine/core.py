@@ -205,8 +205,9 @@ class Engine:
             keys = self.cache.request_keys(req, fuser)
             hit = self.cache.read_prefix(keys.blocks)
             n_full = len(keys.blocks) * self.block_size
-            end = self.cache.read_tail(keys.tail, len(cacheable) - n_full) if len(hit) == len(keys.blocks) else None
-            parts = hit + [end] if end is not None else hit  # the full blocks and the prefix's stored tail
+            stored_tail = self.cache.read_tail(keys.tail, len(cacheable) - n_full) if len(hit) == len(keys.blocks) \
+                else None
+            parts = hit + [stored_tail] if stored_tail is not None else hit  # the full blocks, then the tail
             n_hit = sum(len(c) for c in parts)
             fused = fuser.fuse(self.model, FuseLayout.of(parts, (), suffix, prefix_tail=_ids(cacheable[n_hit:])),
                                None, ctx)

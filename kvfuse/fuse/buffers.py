@@ -35,9 +35,16 @@ from kvfuse.kv import KVCache
 KEEP = 4  # buffers kept at most (busy or free)
 
 
-def _use_count(t: torch.Tensor) -> int | None:
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(t.untyped_storage()._cdata))
+COUNTS = hasattr(torch._C, "_storage_Use_Count")  # without it no buffer is kept
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def _pair(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
 
 
 Held = tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]  # a block's K and V, not kept alive
@@ -91,9 +98,8 @@ class BufferPool:
              parts: Sequence[KVCache] = ()) -> Lease:
         """K and V buffers of `shape` (layers, kv_heads, positions, head_dim): a free kept pair with room
         enough, the one already holding most of `parts` first, then one that holds nothing, else new."""
-        if device.type != "cpu" or self.keep <= 0 or _use_count(torch.empty(0)) is None:
-            return Lease(torch.empty(shape, dtype=dtype, device=device),
-                         torch.empty(shape, dtype=dtype, device=device), 0, None)
+        if device.type != "cpu" or self.keep <= 0 or not COUNTS:
+            return Lease(*_pair(shape, dtype, device), 0, None)
         with self._lock, torch.inference_mode(False):  # normal tensors: written in and out of inference mode
             fits = [e for e in self._entries
                     if e.k.dtype == dtype and e.k.shape[:2] == shape[:2] and e.k.shape[3] == shape[3]
@@ -103,7 +109,7 @@ class BufferPool:
                 entry = self._new(shape, dtype)
             done = entry.matching(parts) if entry is not None else 0
             if entry is None:  # every kept pair is busy and the pool is full: a pair of its own
-                return Lease(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), 0, None)
+                return Lease(*_pair(shape, dtype), 0, None)
             entry.held = entry.held[:done]  # the rest is about to be overwritten
             n = shape[2]
             return Lease(entry.k[:, :, :n], entry.v[:, :, :n], done, entry)
@@ -111,14 +117,13 @@ class BufferPool:
     def _new(self, shape: tuple[int, int, int, int], dtype: torch.dtype) -> _Entry | None:
         """A new kept pair, once the free pairs too small for it are let go (their memory is needed
         more than their contents); None when every kept pair is busy."""
-        self._entries = [e for e in self._entries if not e.free()] + [e for e in self._entries if e.free()
-                                                                       and e.k.shape[2] >= shape[2]]
-        while len(self._entries) >= self.keep:
-            free = [e for e in self._entries if e.free()]
-            if not free:
-                return None
-            self._entries.remove(free[-1])
-        entry = _Entry(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+        free = sorted((e for e in self._entries if e.free()), key=lambda e: e.k.shape[2] >= shape[2])
+        for e in free:  # the too small first, then others while the pool is full
+            if e.k.shape[2] < shape[2] or len(self._entries) >= self.keep:
+                self._entries.remove(e)
+        if len(self._entries) >= self.keep:
+            return None
+        entry = _Entry(*_pair(shape, dtype))
         self._entries.append(entry)
         return entry
 

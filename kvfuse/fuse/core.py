@@ -91,14 +91,14 @@ def _memo_logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     return memo[0]
 
 
-def _buffers(cfg: ModelConfig, total: int, dtype: torch.dtype, room: int = 0, parts: Sequence[KVCache] = ()
-             ) -> Lease:
-    """K and V buffers (layers, kv_heads, total + room, head_dim) from the pool (`buffers.py`), holding
-    the first `lease.done` of `parts` already."""
+def _buffers(model: Decoder, total: int, room: int = 0, parts: Sequence[KVCache] = ()) -> Lease:
+    """The model's K and V buffers (layers, kv_heads, total + room, head_dim) in its compute dtype, from
+    the pool (`buffers.py`), holding the first `lease.done` of `parts` already."""
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")
+    cfg = model.cfg
     shape = (cfg.num_layers, cfg.num_kv_heads, total + room, cfg.head_dim)
-    return POOL.take(shape, dtype, torch.empty(0).device, parts)
+    return POOL.take(shape, model.compute_dtype, model.device, parts)
 
 
 def _fused(model: Decoder, k_buf: torch.Tensor, v_buf: torch.Tensor, total: int, h: torch.Tensor, room: int,
@@ -154,7 +154,7 @@ def prefill(
     parts = [past] if isinstance(past, KVCache) else list(past or [])
     start = sum(len(c) for c in parts)
     end = start + ids.shape[0]
-    bufs = _buffers(model.cfg, end, model.compute_dtype, room, parts)
+    bufs = _buffers(model, end, room, parts)
     _copy_in(parts, bufs)
     h = _run(model, ids, bufs.k, bufs.v, start, pause)
     return _fused(model, bufs.k, bufs.v, end, h, room)
@@ -190,7 +190,7 @@ def precompute_chunk(
     if start < len(pre):
         raise ValueError("a chunk cannot start inside its preamble")
     pos = torch.cat((torch.arange(len(pre)), torch.arange(start, start + len(ids))))
-    bufs = _buffers(model.cfg, len(pos), model.compute_dtype)
+    bufs = _buffers(model, len(pos))
     k_buf, v_buf = bufs.k, bufs.v
     h = model.embed(torch.cat((pre, ids)))
     last = model.cfg.num_layers - 1
@@ -381,7 +381,7 @@ class _Pass:
             raise ValueError("every chunk cache needs its token ids, of the same length")
         total = layout.chunks_begin + n_c + int(layout.suffix.shape[0])
         if resume is None:
-            bufs = _buffers(cfg, total, model.compute_dtype, ctx.room, layout.prefix)
+            bufs = _buffers(model, total, ctx.room, layout.prefix)
             _copy_in(layout.prefix, bufs)
             k_buf, v_buf = bufs.k, bufs.v
         else:
