@@ -74,9 +74,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = (lambda x: F.gelu(x, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, step: bool = False) -> torch.Tensor:
+        gate, up = _product(self.gate_up_proj, x, step).split(self.inter, dim=-1)
+        return _product(self.down_proj, self.act(gate) * up, step)
 
 
 # Weights the model keeps stacked, and the checkpoint's weights they stack, in order (rows, then biases)
@@ -94,6 +94,12 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
                 parts = [f"{layer}.{t}.{kind}" for t in theirs]
                 if all(p in state for p in parts):
                     state[f"{layer}.{ours}.{kind}"] = torch.cat([state.pop(p) for p in parts])
+
+
+def _product(layer: nn.Module, x: torch.Tensor, step: bool) -> torch.Tensor:
+    """A linear layer on rows x; for the rows of a decoding step (`step`), on the kernel the layer keeps
+    for few rows where it keeps one (`PackedLinear.step`)."""
+    return cast(torch.Tensor, layer.step(x) if step and isinstance(layer, PackedLinear) else layer(x))
 
 
 def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -216,12 +222,14 @@ class Decoder(nn.Module):
         h = self.embed_tokens(ids)
         return h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.embed_scale != 1.0 else h
 
-    def project(self, i: int, h: torch.Tensor, pos: torch.Tensor, plan: RowPlan | None = None
+    def project(self, i: int, h: torch.Tensor, pos: torch.Tensor, plan: RowPlan | None = None, step: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's q (heads, T, D), k and v (kv_heads, T, D) for hidden states h at positions pos
-        (`plan`, if given, is pos's: its cos and sin are reused)."""
+        (`plan`, if given, is pos's: its cos and sin are reused; `step`: the rows of a decoding step,
+        whose products may run on another kernel, `PackedLinear.step`)."""
         attn = self.block(i).self_attn
-        q, k, v = attn.qkv_proj(self.block(i).input_layernorm(h)).split((attn.q_size, attn.kv_size, attn.kv_size), -1)
+        qkv = _product(attn.qkv_proj, self.block(i).input_layernorm(h), step)
+        q, k, v = qkv.split((attn.q_size, attn.kv_size, attn.kv_size), -1)
         cos, sin = self._cos_sin(i, pos, plan)
         return (self._query(i, q, cos, sin), *self._key_value(i, k, v, cos, sin))
 
@@ -356,15 +364,16 @@ class Decoder(nn.Module):
         scores = scores.masked_fill(~attention_mask(q_pos, k_pos, cfg.window(i)), float("-inf"))
         return torch.softmax(scores, dim=-1)
 
-    def finish(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual and MLP of layer i for the tokens whose attention output is given."""
+    def finish(self, i: int, h: torch.Tensor, attn_out: torch.Tensor, step: bool = False) -> torch.Tensor:
+        """Output projection, residual and MLP of layer i for the tokens whose attention output is given
+        (`step`: as in `project`)."""
         blk = self.block(i)
-        o = blk.self_attn.o_proj(attn_out)
+        o = _product(blk.self_attn.o_proj, attn_out, step)
         if blk.pre_feedforward_layernorm is not None and blk.post_feedforward_layernorm is not None:
             h = h + blk.post_attention_layernorm(o)
-            return h + blk.post_feedforward_layernorm(blk.mlp(blk.pre_feedforward_layernorm(h)))
+            return h + blk.post_feedforward_layernorm(blk.mlp(blk.pre_feedforward_layernorm(h), step))
         h = h + o
-        return h + blk.mlp(blk.post_attention_layernorm(h))
+        return h + blk.mlp(blk.post_attention_layernorm(h), step)
 
     def layer(
         self,

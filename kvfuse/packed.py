@@ -19,6 +19,20 @@ The packed weight replaces the plain one, which is then freed (a model holds its
 `state_dict()` still names `weight` (and `bias`), unpacked on request. A stacked projection
 (q, k and v) is packed as one part per `splits` entry, so that `linear_rows` can run the query rows
 or the key and value rows alone and give exactly the columns `forward` gives.
+
+Decoding steps (`step`). oneDNN reads a bfloat16 weight for 2 to 8 rows at about 15 GB/s on the
+machines here, while FBGEMM's float16-weight product (`torch.ops.quantized.linear_dynamic_fp16`, the
+kernel of PyTorch's dynamic float16 linears) reads the same bytes at up to twice that, converting the
+weight to float32 in registers and multiplying float32 rows (docs/benchmarks.md, stop 51). So a
+bfloat16 layer also keeps its weight in float16 for decoding steps (`steps=True`): the same values,
+since every bfloat16 number of float16's normal range (2^-14 to 65504 in magnitude) is a float16
+number, and the few smaller weights round to float16's subnormal step (2^-24, a rounding finer than
+bfloat16's own for all but the tiniest). A step multiplies its float32 rows unrounded, which is a
+little closer to fp32 than the prefill's bfloat16 rows. Each row's result depends on that row alone
+(checked at load by `decode.batch_limit`), so batched and drafted steps stay bitwise equal to a lone
+step; a prefill and a step of the same token differ in rounding, as they did before. The copy costs
+the layer weights' memory once more (about 200 MB for Gemma 3 270M); FBGEMM's kernel is slow for many
+rows, so prefills keep the oneDNN path.
 """
 
 from __future__ import annotations
@@ -33,6 +47,12 @@ def available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def fp16_steps_available() -> bool:
+    """Whether this PyTorch has FBGEMM's float16-weight linear (x86 builds with FBGEMM)."""
+    engines = torch.backends.quantized.supported_engines
+    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic_fp16")
+
+
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
 
@@ -41,7 +61,8 @@ class PackedLinear(nn.Module):
     """An nn.Linear (float32) whose weight is held in `dtype` (float32 or bfloat16), in oneDNN's layout
     where it runs on the CPU, in parts of rows (`splits`)."""
 
-    def __init__(self, linear: nn.Linear, splits: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, linear: nn.Linear, splits: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                 steps: bool = False) -> None:
         super().__init__()
         if linear.weight.dtype != torch.float32:
             raise TypeError(f"a packed linear is made from a float32 one, got {linear.weight.dtype}")
@@ -56,6 +77,10 @@ class PackedLinear(nn.Module):
         rows = list(zip(self.bounds, self.bounds[1:], strict=False))
         self.parts = [self._pack(weight[lo:hi].to(dtype).contiguous()) for lo, hi in rows]
         self.biases = [None if bias is None else bias[lo:hi].clone() for lo, hi in rows]
+        # decoding steps' copy (see the module docstring): float16 holding the weight as `dtype` rounds it
+        self.step_parts = [torch.ops.quantized.linear_prepack_fp16(weight[lo:hi].to(dtype).float(), b)
+                           for (lo, hi), b in zip(rows, self.biases, strict=True)
+                           ] if steps and dtype == torch.bfloat16 and self.onednn and fp16_steps_available() else []
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, 2) if self.onednn else w  # type: ignore[no-any-return]
@@ -76,6 +101,15 @@ class PackedLinear(nn.Module):
         outs = [self._product(flat, p, bias) for p, bias in zip(self.parts, self.biases, strict=True)]
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """The product for the rows (rows, in_features) of a decoding step: on the float16 copy where
+        the layer keeps one, else `forward`."""
+        if not self.step_parts:
+            return self.forward(x)
+        flat = x if x.is_contiguous() else x.contiguous()
+        outs = [torch.ops.quantized.linear_dynamic_fp16(flat, p) for p in self.step_parts]
+        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
     def linear_rows(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Output features lo:hi of `forward` alone; lo and hi must be bounds of the parts."""
         if lo not in self.bounds or hi not in self.bounds or hi <= lo:
@@ -94,4 +128,4 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, parts={self.bounds}, "
-                f"dtype={self.dtype}")
+                f"dtype={self.dtype}, float16 steps={bool(self.step_parts)}")

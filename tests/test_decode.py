@@ -70,8 +70,8 @@ def test_batch_limit_finds_a_step_that_depends_on_the_batch(tiny_engines, monkey
     assert batch_limit(m, 1) == 1
     finish = m.finish
 
-    def leaky(i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # every row sees the others
-        out = finish(i, h, a)
+    def leaky(i: int, h: torch.Tensor, a: torch.Tensor, step: bool = False) -> torch.Tensor:  # rows see each other
+        out = finish(i, h, a, step)
         return out + 1e-3 * h.sum(0)
 
     monkeypatch.setattr(m, "finish", leaky)

@@ -165,6 +165,79 @@ def test_a_packed_linear_is_the_linear_and_its_rows_do_not_depend_on_the_batch(s
     assert torch.equal(state["weight"], lin.weight) and torch.equal(state["bias"], lin.bias)
 
 
+needs_fp16 = pytest.mark.skipif(not (packed.available() and packed.fp16_steps_available()),
+                                reason="needs oneDNN and FBGEMM's float16 linear")
+
+
+@needs_fp16
+@pytest.mark.parametrize("shape", [(64, 96), (640, 1536), (2048, 640)])
+def test_a_bf16_layers_steps_multiply_its_bf16_weight_in_float32(shape: tuple[int, int]) -> None:
+    """A decoding step's product (`PackedLinear.step`) is the bfloat16-rounded weight (held in float16)
+    times the float32 rows, plus the bias: against float64 on the same rounded weight, it is as close as
+    float32 accumulation gets, closer than the prefill's bfloat16 rows; each row's result is the same
+    beside any other rows, one to 16 of them."""
+    inp, out = shape
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(inp, out, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_(0, inp**-0.5, generator=g)
+        lin.weight[0, :8] = torch.tensor([1e-5, -3e-6, 2e-7, 5e-8, 1e-9, 0.0, 70.0, -1e-3])  # tiny and large ones
+        lin.bias.normal_(generator=g)
+    layer = packed.PackedLinear(lin, (out // 3,), torch.bfloat16, steps=True)
+    plain = packed.PackedLinear(lin, (out // 3,), torch.bfloat16)
+    assert layer.step_parts and not plain.step_parts
+    x = torch.randn(16, inp, generator=g)
+    w = lin.weight.detach().bfloat16().double()  # the weight the layer holds
+    want = x.double() @ w.T + lin.bias.detach().double()
+    err = lambda y: float((y.double() - want).norm() / want.norm())  # noqa: E731
+    steps = layer.step(x)
+    assert err(steps) < 1e-5  # float32 rows: float16 keeps every bfloat16 weight of its normal range exactly
+    assert err(layer(x)) > 3 * err(steps)  # the prefill's product rounds its rows to bfloat16
+    assert torch.equal(plain.step(x), plain(x))  # without the copy, a step is the prefill's product
+    for m in (1, 2, 5, 16):  # a row alone, in a pair, in a draft, in a batch: the same bits
+        assert torch.equal(layer.step(x[:m]), steps[:m])
+    assert torch.equal(layer.step(x[3:4]), steps[3:4])
+    assert torch.equal(layer.step(x)[:, : out // 3], layer.step(x)[:, : out // 3])
+
+
+@needs_fp16
+def test_a_bf16_models_decoding_steps_run_the_float16_copy(engine_at) -> None:
+    """bf16's layers keep the float16 copy for steps and fp32's do not (the oracle stays float32). A
+    step's hidden states are the naive path's (`Decoder.forward`) within bfloat16 rounding, and closer
+    to fp32's than the same steps on the prefill's kernel, which rounds each row to bfloat16."""
+    from kvfuse.engine.decode import Slot, step_hidden
+
+    e, oracle = engine_at("gemma3", "bf16"), engine_at("gemma3", "fp32")
+    linears = {p: [m for m in x.model.modules() if isinstance(m, packed.PackedLinear)] for p, x in
+               (("bf16", e), ("fp32", oracle))}
+    assert linears["bf16"] and all(m.step_parts for m in linears["bf16"])
+    assert not any(m.step_parts for m in linears["fp32"])
+    req = Request(prefix=(1,) + rand_ids(30, 3), chunks=(), suffix=rand_ids(4, 4))
+    toks = list(rand_ids(6, 7))
+
+    def steps() -> torch.Tensor:
+        with torch.inference_mode():
+            slot = Slot(e.model, e.prefill(req, room=8).fused.cache, 8)
+            return torch.cat([step_hidden(e.model, [slot], [t]) for t in toks])
+
+    ids = torch.tensor(list(req.prefix + req.suffix) + toks)
+    with torch.inference_mode():
+        naive = e.model(ids)[-6:]
+        want = oracle.model(ids)[-6:]
+    fast = e.model.logits(steps())
+    copies = [m.step_parts for m in linears["bf16"]]
+    try:
+        for m in linears["bf16"]:
+            m.step_parts = []
+        slow = e.model.logits(steps())
+    finally:
+        for m, c in zip(linears["bf16"], copies, strict=True):
+            m.step_parts = c
+    assert torch.allclose(fast, naive, atol=0.05, rtol=0.02), (fast - naive).abs().max()
+    assert not torch.equal(fast, slow)
+    assert (fast - want).abs().mean() < (slow - want).abs().mean()
+
+
 @needs_onednn
 def test_an_fp32_model_runs_packed_layers_close_to_the_plain_ones(tiny_models) -> None:
     root = tiny_models["qwen2"][0]  # q, k and v with biases

@@ -100,7 +100,7 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
     pad = h.new_zeros(rows - b, cfg.num_heads * cfg.head_dim)
     plan = RowPlan(cfg, pos)  # RoPE's cos and sin once per step, not once per layer
     for i in range(cfg.num_layers):
-        q, k, v = model.project(i, h, pos, plan)
+        q, k, v = model.project(i, h, pos, plan, step=True)
         w = cfg.window(i)
         outs = []
         at = 0
@@ -112,7 +112,7 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
                 lo = max(0, end - w) if w is not None else 0
                 outs.append(model.attend_all(i, q[:, at + r : at + r + 1], ki[:, lo:end], vi[:, lo:end]))
             at += m
-        h = model.finish(i, h, torch.cat(outs + [pad]))
+        h = model.finish(i, h, torch.cat(outs + [pad]), step=True)
     for s, _, m in spans:
         s.n += m
     return h[:b]
