@@ -7,7 +7,9 @@
    (FBGEMM, float32 rows), and the bytes a step reads over its time.
 2. **Whole decoding steps** (`decode.step_rows`, head aside) of 1, 2, 4 and 7 rows (a draft of 6) on the
    real bf16 model with a random cache of `--context` tokens, with the float16 copy and without it (the
-   layers' `step_parts` emptied for those runs: a step then runs the prefill's kernel, as before).
+   layers' `step_parts` emptied for those runs: a step then runs the prefill's kernel, as before), and
+   with the copy but each row's weighted values a product of its own (`model.shares_values` refused:
+   as before `Decoder.attend_rows`).
 3. **Fidelity of the steps**: on MuSiQue dev cases' prompts, teacher-forced steps of the fp32 model's
    own greedy answer, the bf16 steps' logits against fp32's (KL and top-1 agreement), with and without
    the copy.
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_name, median_ratio, musique_cases, musique_prompt  # noqa: E402
 
+from kvfuse import model as model_mod  # noqa: E402
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
 from kvfuse.engine import Engine  # noqa: E402
 from kvfuse.engine.decode import Slot, step_hidden, step_rows  # noqa: E402
@@ -45,6 +48,17 @@ def timed(fn: Callable[[], object], n: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+@contextmanager
+def unshared() -> Iterator[None]:
+    """Every row's weighted values a product of its own (`Decoder.attend_rows` without sharing)."""
+    shares = model_mod.shares_values
+    model_mod.shares_values = lambda *a: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        model_mod.shares_values = shares
 
 
 @contextmanager
@@ -102,15 +116,18 @@ def steps(engine: Engine, linears: list[PackedLinear], rounds: int, context: int
         for _ in range(rounds):
             for rows in counts:
                 times.setdefault(f"{rows} copy", []).append(timed(step(rows), 5))
-                with without_copy(linears):
-                    times.setdefault(f"{rows} before", []).append(timed(step(rows), 5))
+                with unshared():
+                    times.setdefault(f"{rows} unshared", []).append(timed(step(rows), 5))
+                    with without_copy(linears):
+                        times.setdefault(f"{rows} before", []).append(timed(step(rows), 5))
     print(f"\n2. Decoding steps over {context} keys (bf16, the head aside), median of {rounds} rounds\n")
-    print("| rows | prefill's kernel (ms) | float16 copy (ms) | copy / before |")
-    print("|---|---|---|---|")
+    print("| rows | prefill's kernel, own values (ms) | float16 copy, own values (ms) | float16 copy, shared values "
+          "(ms) | copy / before | copy and shared / before |")
+    print("|---|---|---|---|---|---|")
     for rows in counts:
-        a, b = times[f"{rows} before"], times[f"{rows} copy"]
+        a, b, c = times[f"{rows} before"], times[f"{rows} unshared"], times[f"{rows} copy"]
         print(f"| {rows} | {1000 * statistics.median(a):.2f} | {1000 * statistics.median(b):.2f} | "
-              f"**{median_ratio(b, a):.2f}** |")
+              f"{1000 * statistics.median(c):.2f} | **{median_ratio(b, a):.2f}** | **{median_ratio(c, a):.2f}** |")
 
 
 def fidelity(engine: Engine, oracle: Engine, linears: list[PackedLinear], cases: int, tokens: int) -> None:

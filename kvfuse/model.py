@@ -14,6 +14,8 @@ MLP), so a caller can run the attention of a subset of tokens against any set of
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -323,6 +325,47 @@ class Decoder(nn.Module):
             out = out.reshape(cfg.num_heads, tq, cfg.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
+    def attend_rows(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ends: Sequence[int]
+                    ) -> torch.Tensor:
+        """Attention of consecutive rows of one sequence on a full-attention layer (a decoding step's
+        draft), row r over keys [0, ends[r]) -> (rows, heads*D): each row bitwise what `attend_all`'s
+        arithmetic gives it alone, since every row's scores and softmax are its own call's. Its weighted
+        values are split at the last multiple of VALUE_BLOCK below its end: that body is one product for
+        all the rows with the same body (the values read once for a draft, not once a row: at 10k keys
+        the most of a draft row's cost), and the rest a product of the row's own. A row alone is
+        computed the same way, so its result does not depend on the rows beside it, where this BLAS's
+        product gives every row of a body the same result however many share it (`shares_values`,
+        checked once); elsewhere every row has a body of its own."""
+        cfg = self.cfg
+        if cfg.attn_softcap is not None:
+            return torch.cat([self.attend_all(i, q[:, r : r + 1], k[:, :e], v[:, :e]) for r, e in enumerate(ends)])
+        kv_heads = k.shape[0]
+        probs = []
+        for r, e in enumerate(ends):
+            qg = q[:, r : r + 1].reshape(kv_heads, -1, cfg.head_dim)  # as `attend_all`'s one row
+            scores = torch.bmm(k[:, :e], qg.transpose(1, 2)).transpose(1, 2).contiguous()
+            scores = scores.mul_(cfg.query_scale) if scores.dtype == torch.float32 else scores.float() * cfg.query_scale
+            p = torch.softmax(scores, dim=-1)
+            probs.append(p if p.dtype == v.dtype else p.to(v.dtype))
+        group = probs[0].shape[1]  # query heads per kv head
+        share = MAX_SHARED_ROWS if shares_values(kv_heads, group, cfg.head_dim, v.dtype, v.device) else 1
+        bodies: dict[int, list[int]] = {}
+        for r, e in enumerate(ends):
+            bodies.setdefault(e - e % VALUE_BLOCK, []).append(r)
+        outs: list[torch.Tensor] = [probs[0]] * len(ends)
+        for f, rows in bodies.items():
+            for at in range(0, len(rows), share):
+                some = rows[at : at + share]
+                body = _weighted_values(torch.cat([probs[r][:, :, :f] for r in some], 1), v[:, :f]) if f else None
+                for j, r in enumerate(some):
+                    out = body[:, j * group : (j + 1) * group] if body is not None else None
+                    if ends[r] > f:
+                        tail = torch.bmm(probs[r][:, :, f:], v[:, f : ends[r]])
+                        out = tail if out is None else out + tail
+                    assert out is not None
+                    outs[r] = out.reshape(1, cfg.num_heads * cfg.head_dim)
+        return torch.cat(outs)
+
     def attention_to(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: int, hi: int,
         over_range: bool = False,
@@ -454,6 +497,29 @@ def _query_blocks(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, in
 
 
 SPLIT_KEYS = 1024  # `_weighted_values` splits the keys in two from this many on (a sliding layer of 512 never)
+VALUE_BLOCK = 64  # `Decoder.attend_rows`: a row's weighted values over keys up to a multiple of this are shared
+MAX_SHARED_ROWS = 16  # the most rows in one shared product (`shares_values` checks up to this many)
+
+
+@functools.cache
+def shares_values(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `_weighted_values` gives each row of its probabilities the same result alone as beside up
+    to MAX_SHARED_ROWS - 1 other rows' (of `group` query heads each), at the key counts a decoding body
+    has (below and above SPLIT_KEYS, odd and even halves): a BLAS picks its kernel by shape, so this is
+    checked on this machine's BLAS, once. Only on the CPU (elsewhere rows keep their own products)."""
+    if device.type != "cpu":
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for n in (VALUE_BLOCK, 5 * VALUE_BLOCK, SPLIT_KEYS + VALUE_BLOCK, SPLIT_KEYS + 3 * VALUE_BLOCK):
+        v = torch.randn(kv_heads, n, head_dim, generator=gen).to(dtype)
+        probs = torch.softmax(torch.randn(kv_heads, MAX_SHARED_ROWS * group, n, generator=gen), -1).to(dtype)
+        alone = [_weighted_values(probs[:, r * group : (r + 1) * group].contiguous(), v)
+                 for r in range(MAX_SHARED_ROWS)]
+        for rows in range(2, MAX_SHARED_ROWS + 1):
+            together = _weighted_values(probs[:, : rows * group].contiguous(), v)
+            if not all(torch.equal(together[:, r * group : (r + 1) * group], alone[r]) for r in range(rows)):
+                return False
+    return True
 
 
 def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

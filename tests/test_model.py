@@ -115,6 +115,43 @@ def test_attend_all_equals_attend_when_every_key_is_visible(tiny_models, family:
     assert not torch.allclose(model.attend_all(0, q, k[:, :2], v[:, :2]), want, atol=1e-3)  # it reads the keys given
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_rows_of_a_draft_attend_as_each_does_alone(tiny_models, family: str, softcap, shared: bool,
+                                                   monkeypatch) -> None:
+    """`attend_rows` on a full-attention layer: rows whose ends cross VALUE_BLOCK and SPLIT_KEYS boundaries
+    each get bitwise the result they get alone, and `attend` over their own keys (the masked oracle)
+    within float32 rounding; with the shared products refused (`shares_values` False) too."""
+    import dataclasses
+
+    from kvfuse import model as model_mod
+
+    if not shared:
+        monkeypatch.setattr(model_mod, "shares_values", lambda *a: False)
+    model = load_model(tiny_models[family][0]).model
+    model.cfg = dataclasses.replace(model.cfg, attn_softcap=softcap)
+    cfg, g = model.cfg, torch.Generator().manual_seed(6)
+    layer = next((i for i in range(cfg.num_layers) if cfg.window(i) is None), None)
+    if layer is None:
+        pytest.skip("no full-attention layer")
+    for first in (model_mod.VALUE_BLOCK - 3, model_mod.SPLIT_KEYS - 2, model_mod.SPLIT_KEYS + 61):
+        m = 7
+        n = first + m
+        k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+        v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+        q = torch.randn(cfg.num_heads, m, cfg.head_dim, generator=g)
+        ends = [first + r + 1 for r in range(m)]
+        together = model.attend_rows(layer, q, k, v, ends)
+        assert together.shape == (m, cfg.num_heads * cfg.head_dim)
+        for r, e in enumerate(ends):
+            alone = model.attend_rows(layer, q[:, r : r + 1], k, v, [e])
+            assert torch.equal(together[r], alone[0]), (first, r)
+            want = model.attend(layer, q[:, r : r + 1], torch.tensor([e - 1]), k[:, :e], v[:, :e], torch.arange(e))
+            assert torch.allclose(alone, want, atol=1e-5, rtol=1e-4), (alone - want).abs().max()
+        assert not torch.allclose(together[0], together[-1], atol=1e-3)  # each row reads its own keys
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "llama"])
 def test_attention_to_a_range_of_keys_is_that_slice_of_the_weights(tiny_models, family: str, softcap) -> None:

@@ -78,10 +78,12 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
     """Feed tokens[j] (one or more) to slots[j] at its next positions; returns the hidden states before the
     final norm, (total tokens, hidden), slot by slot in order. Slot j needs room for len(tokens[j]).
 
-    All rows share the step's matrix products; each row attends in a call of its own over its slot's
-    cache up to and including its own position, the call a step of that token alone makes. So within
-    `batch_limit` rows, every row is bitwise what stepping its tokens one at a time gives: a draft is
-    verified in one step (`drafts.py`), and `Slot.rewind` drops the rows it rejects."""
+    All rows share the step's matrix products; each row's attention scores are a call of its own over
+    its slot's cache up to and including its own position, the call a step of that token alone makes,
+    and on a full-attention layer a slot's rows share the product of their weighted values over the
+    keys they all see (`Decoder.attend_rows`: each row's result is still the one it gets alone). So
+    within `batch_limit` rows, every row is bitwise what stepping its tokens one at a time gives: a
+    draft is verified in one step (`drafts.py`), and `Slot.rewind` drops the rows it rejects."""
     if len(slots) != len(tokens) or not slots:
         raise ValueError(f"one token list per slot: {len(tokens)} lists for {len(slots)} slots")
     if any(not t for t in tokens):
@@ -107,10 +109,13 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
         for s, n, m in spans:
             ki, vi = s.k[i], s.v[i]  # (kv_heads, T, head_dim)
             ki[:, n : n + m], vi[:, n : n + m] = k[:, at : at + m], v[:, at : at + m]
-            for r in range(m):  # row r sits at position n + r
-                end = n + r + 1  # its keys: up to its own position, within the window
-                lo = max(0, end - w) if w is not None else 0
-                outs.append(model.attend_all(i, q[:, at + r : at + r + 1], ki[:, lo:end], vi[:, lo:end]))
+            if w is None:  # row r sits at position n + r and sees every key up to it
+                outs.append(model.attend_rows(i, q[:, at : at + m], ki, vi, [n + r + 1 for r in range(m)]))
+            else:
+                for r in range(m):  # its keys: up to its own position, within the window
+                    end = n + r + 1
+                    lo = max(0, end - w)
+                    outs.append(model.attend_all(i, q[:, at + r : at + r + 1], ki[:, lo:end], vi[:, lo:end]))
             at += m
         h = model.finish(i, h, torch.cat(outs + [pad]), step=True)
     for s, _, m in spans:
