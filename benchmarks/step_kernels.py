@@ -8,8 +8,8 @@
 2. **Whole decoding steps** (`decode.step_rows`, head aside) of 1, 2, 4 and 7 rows (a draft of 6) on the
    real bf16 model with a random cache of `--context` tokens, with the float16 copy and without it (the
    layers' `step_parts` emptied for those runs: a step then runs the prefill's kernel, as before), and
-   with the copy but each row's weighted values a product of its own (`model.shares_values` refused:
-   as before `Decoder.attend_rows`).
+   with the copy but each row's attention its own calls (`model.shares_values` and `batches_windows`
+   refused: as before `Decoder.attend_rows` and `attend_windows`).
 3. **Fidelity of the steps**: on MuSiQue dev cases' prompts, teacher-forced steps of the fp32 model's
    own greedy answer, the bf16 steps' logits against fp32's (KL and top-1 agreement), with and without
    the copy.
@@ -52,13 +52,15 @@ def timed(fn: Callable[[], object], n: int) -> float:
 
 @contextmanager
 def unshared() -> Iterator[None]:
-    """Every row's weighted values a product of its own (`Decoder.attend_rows` without sharing)."""
-    shares = model_mod.shares_values
+    """Every row's attention calls its own: `Decoder.attend_rows` without shared values, `attend_windows`
+    without batched windows."""
+    shares, batches = model_mod.shares_values, model_mod.batches_windows
     model_mod.shares_values = lambda *a: False  # type: ignore[assignment]
+    model_mod.batches_windows = lambda *a: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        model_mod.shares_values = shares
+        model_mod.shares_values, model_mod.batches_windows = shares, batches
 
 
 @contextmanager

@@ -366,6 +366,21 @@ class Decoder(nn.Module):
                     outs[r] = out.reshape(1, cfg.num_heads * cfg.head_dim)
         return torch.cat(outs)
 
+    def attend_windows(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ends: Sequence[int]
+                       ) -> torch.Tensor:
+        """Attention of consecutive rows of one sequence on a sliding layer whose windows are all full,
+        row r over the window's keys before ends[r] -> (rows, heads*D), as one batch of products of
+        the same shapes (the windows are views of the cache, no copy); a row's result is the same in
+        any batch where this BLAS's batched products give each element what it gives alone
+        (`batches_windows`, checked once), else every row is a call of its own."""
+        cfg, w = self.cfg, self.cfg.window(i)
+        assert w is not None and ends[0] >= w, "full windows of a sliding layer"
+        if cfg.attn_softcap is not None or k.shape[0] != 1 or not batches_windows(
+                w, q.shape[0], cfg.head_dim, v.dtype, v.device):
+            return torch.cat([self.attend_all(i, q[:, r : r + 1], k[:, e - w : e], v[:, e - w : e])
+                              for r, e in enumerate(ends)])
+        return _window_rows(q, k, v, ends[0] - w, w, cfg.query_scale).reshape(len(ends), -1)
+
     def attention_to(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: int, hi: int,
         over_range: bool = False,
@@ -499,6 +514,38 @@ def _query_blocks(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, in
 SPLIT_KEYS = 1024  # `_weighted_values` splits the keys in two from this many on (a sliding layer of 512 never)
 VALUE_BLOCK = 64  # `Decoder.attend_rows`: a row's weighted values over keys up to a multiple of this are shared
 MAX_SHARED_ROWS = 16  # the most rows in one shared product (`shares_values` checks up to this many)
+
+
+def _window_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, w: int, scale: float
+                 ) -> torch.Tensor:
+    """Queries q (heads, m, D) of consecutive rows, row r over keys first + r to first + r + w of one kv
+    head's k and v (1, T, D): each row's window a view, one batched product each for scores and values
+    -> (m, heads, D)."""
+    m, d = q.shape[1], q.shape[2]
+    kw = k.as_strided((m, w, d), (k.stride(1), k.stride(1), k.stride(2)), k.storage_offset() + first * k.stride(1))
+    vw = v.as_strided((m, w, d), (v.stride(1), v.stride(1), v.stride(2)), v.storage_offset() + first * v.stride(1))
+    scores = torch.bmm(kw, q.transpose(0, 1).transpose(1, 2)).transpose(1, 2).contiguous()  # (m, heads, w)
+    scores = scores.mul_(scale) if scores.dtype == torch.float32 else scores.float() * scale
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs if probs.dtype == v.dtype else probs.to(v.dtype), vw)
+
+
+@functools.cache
+def batches_windows(w: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `_window_rows` gives each row the same result alone as beside up to MAX_SHARED_ROWS - 1
+    others (one kv head; a window of w keys), on this machine's BLAS, once. Only on the CPU."""
+    if device.type != "cpu":
+        return False
+    gen = torch.Generator().manual_seed(1)
+    n = w + MAX_SHARED_ROWS
+    k, v = (torch.randn(1, n, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(heads, MAX_SHARED_ROWS, head_dim, generator=gen).to(dtype)
+    alone = [_window_rows(q[:, r : r + 1], k, v, r, w, 0.1) for r in range(MAX_SHARED_ROWS)]
+    for first in range(MAX_SHARED_ROWS - 1):
+        together = _window_rows(q[:, first:], k, v, first, w, 0.1)
+        if not all(torch.equal(together[j], alone[first + j][0]) for j in range(together.shape[0])):
+            return False
+    return True
 
 
 @functools.cache

@@ -152,6 +152,39 @@ def test_rows_of_a_draft_attend_as_each_does_alone(tiny_models, family: str, sof
         assert not torch.allclose(together[0], together[-1], atol=1e-3)  # each row reads its own keys
 
 
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_rows_with_full_windows_attend_as_each_does_alone(tiny_models, softcap, batched: bool, monkeypatch) -> None:
+    """`attend_windows` on a sliding layer of one kv head (Gemma 3's): a draft's rows, their windows views
+    of the cache, each get bitwise their result alone, and `attend`'s over their own window (the masked
+    oracle) within float32 rounding; with the batch refused (`batches_windows` False) too."""
+    import dataclasses
+
+    from kvfuse import model as model_mod
+
+    if not batched:
+        monkeypatch.setattr(model_mod, "batches_windows", lambda *a: False)
+    model = load_model(tiny_models["gemma3"][0]).model
+    model.cfg = dataclasses.replace(model.cfg, attn_softcap=softcap, num_kv_heads=1)
+    cfg, g = model.cfg, torch.Generator().manual_seed(7)
+    layer = next(i for i in range(cfg.num_layers) if cfg.window(i) is not None)
+    w = cfg.window(layer)
+    assert w is not None
+    m, first = 6, w + 5
+    n = first + m
+    k = torch.randn(1, n, cfg.head_dim, generator=g)
+    v = torch.randn(1, n, cfg.head_dim, generator=g)
+    q = torch.randn(cfg.num_heads, m, cfg.head_dim, generator=g)
+    ends = [first + r + 1 for r in range(m)]
+    together = model.attend_windows(layer, q, k, v, ends)
+    for r, e in enumerate(ends):
+        alone = model.attend_windows(layer, q[:, r : r + 1], k, v, [e])
+        assert torch.equal(together[r], alone[0]), r
+        want = model.attend(layer, q[:, r : r + 1], torch.tensor([e - 1]), k[:, :e], v[:, :e], torch.arange(e))
+        assert torch.allclose(alone, want, atol=1e-5, rtol=1e-4), (alone - want).abs().max()
+    assert not torch.allclose(together[0], together[-1], atol=1e-3)
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "llama"])
 def test_attention_to_a_range_of_keys_is_that_slice_of_the_weights(tiny_models, family: str, softcap) -> None:

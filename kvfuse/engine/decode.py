@@ -81,7 +81,9 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
     All rows share the step's matrix products; each row's attention scores are a call of its own over
     its slot's cache up to and including its own position, the call a step of that token alone makes,
     and on a full-attention layer a slot's rows share the product of their weighted values over the
-    keys they all see (`Decoder.attend_rows`: each row's result is still the one it gets alone). So
+    keys they all see (`Decoder.attend_rows`: each row's result is still the one it gets alone); on a
+    sliding layer the rows with full windows run as one batch of same-shaped products
+    (`Decoder.attend_windows`). So
     within `batch_limit` rows, every row is bitwise what stepping its tokens one at a time gives: a
     draft is verified in one step (`drafts.py`), and `Slot.rewind` drops the rows it rejects."""
     if len(slots) != len(tokens) or not slots:
@@ -109,13 +111,15 @@ def step_rows(model: Decoder, slots: list[Slot], tokens: Sequence[Sequence[int]]
         for s, n, m in spans:
             ki, vi = s.k[i], s.v[i]  # (kv_heads, T, head_dim)
             ki[:, n : n + m], vi[:, n : n + m] = k[:, at : at + m], v[:, at : at + m]
-            if w is None:  # row r sits at position n + r and sees every key up to it
-                outs.append(model.attend_rows(i, q[:, at : at + m], ki, vi, [n + r + 1 for r in range(m)]))
-            else:
-                for r in range(m):  # its keys: up to its own position, within the window
-                    end = n + r + 1
-                    lo = max(0, end - w)
-                    outs.append(model.attend_all(i, q[:, at + r : at + r + 1], ki[:, lo:end], vi[:, lo:end]))
+            ends = [n + r + 1 for r in range(m)]  # row r sits at position n + r and sees the keys up to it
+            if w is None:
+                outs.append(model.attend_rows(i, q[:, at : at + m], ki, vi, ends))
+            else:  # within the window: the rows whose window is full in one call, the first ones each alone
+                short = sum(e < w for e in ends)
+                outs += [model.attend_all(i, q[:, at + r : at + r + 1], ki[:, :e], vi[:, :e])
+                         for r, e in enumerate(ends[:short])]
+                if short < m:
+                    outs.append(model.attend_windows(i, q[:, at + short : at + m], ki, vi, ends[short:]))
             at += m
         h = model.finish(i, h, torch.cat(outs + [pad]), step=True)
     for s, _, m in spans:
