@@ -335,11 +335,12 @@ class Decoder(nn.Module):
         the most of a draft row's cost), and the rest a product of the row's own. A row alone is
         computed the same way, so its result does not depend on the rows beside it, where this BLAS's
         product gives every row of a body the same result however many share it (`shares_values`,
-        checked once); elsewhere every row has a body of its own."""
+        checked once); elsewhere (and with a softcap) every row is `attend_all`'s call of its own."""
         cfg = self.cfg
-        if cfg.attn_softcap is not None:
+        kv_heads, group = k.shape[0], cfg.num_heads // k.shape[0]
+        if cfg.attn_softcap is not None or not shares_values(kv_heads, group, cfg.head_dim, v.dtype, v.device,
+                                                             torch.get_num_threads()):
             return torch.cat([self.attend_all(i, q[:, r : r + 1], k[:, :e], v[:, :e]) for r, e in enumerate(ends)])
-        kv_heads = k.shape[0]
         probs = []
         for r, e in enumerate(ends):
             qg = q[:, r : r + 1].reshape(kv_heads, -1, cfg.head_dim)  # as `attend_all`'s one row
@@ -347,8 +348,7 @@ class Decoder(nn.Module):
             scores = scores.mul_(cfg.query_scale) if scores.dtype == torch.float32 else scores.float() * cfg.query_scale
             p = torch.softmax(scores, dim=-1)
             probs.append(p if p.dtype == v.dtype else p.to(v.dtype))
-        group = probs[0].shape[1]  # query heads per kv head
-        share = MAX_SHARED_ROWS if shares_values(kv_heads, group, cfg.head_dim, v.dtype, v.device) else 1
+        share = MAX_SHARED_ROWS
         bodies: dict[int, list[int]] = {}
         for r, e in enumerate(ends):
             bodies.setdefault(e - e % VALUE_BLOCK, []).append(r)
@@ -376,10 +376,12 @@ class Decoder(nn.Module):
         cfg, w = self.cfg, self.cfg.window(i)
         assert w is not None and ends[0] >= w, "full windows of a sliding layer"
         if cfg.attn_softcap is not None or k.shape[0] != 1 or not batches_windows(
-                w, q.shape[0], cfg.head_dim, v.dtype, v.device):
+                w, q.shape[0], cfg.head_dim, v.dtype, v.device, torch.get_num_threads()):
             return torch.cat([self.attend_all(i, q[:, r : r + 1], k[:, e - w : e], v[:, e - w : e])
                               for r, e in enumerate(ends)])
-        return _window_rows(q, k, v, ends[0] - w, w, cfg.query_scale).reshape(len(ends), -1)
+        return torch.cat([_window_rows(q[:, at : at + MAX_SHARED_ROWS], k, v, ends[at] - w, w, cfg.query_scale)
+                          .reshape(len(ends[at : at + MAX_SHARED_ROWS]), -1)
+                          for at in range(0, len(ends), MAX_SHARED_ROWS)])
 
     def attention_to(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: int, hi: int,
@@ -522,18 +524,21 @@ def _window_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, 
     head's k and v (1, T, D): each row's window a view, one batched product each for scores and values
     -> (m, heads, D)."""
     m, d = q.shape[1], q.shape[2]
+    qt = q.transpose(0, 1).contiguous()  # (m, heads, D): one layout whatever q's strides (the check's and a step's)
     kw = k.as_strided((m, w, d), (k.stride(1), k.stride(1), k.stride(2)), k.storage_offset() + first * k.stride(1))
     vw = v.as_strided((m, w, d), (v.stride(1), v.stride(1), v.stride(2)), v.storage_offset() + first * v.stride(1))
-    scores = torch.bmm(kw, q.transpose(0, 1).transpose(1, 2)).transpose(1, 2).contiguous()  # (m, heads, w)
+    scores = torch.bmm(kw, qt.transpose(1, 2)).transpose(1, 2).contiguous()  # (m, heads, w)
     scores = scores.mul_(scale) if scores.dtype == torch.float32 else scores.float() * scale
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs if probs.dtype == v.dtype else probs.to(v.dtype), vw)
 
 
 @functools.cache
-def batches_windows(w: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+def batches_windows(w: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, threads: int
+                    ) -> bool:
     """Whether `_window_rows` gives each row the same result alone as beside up to MAX_SHARED_ROWS - 1
-    others (one kv head; a window of w keys), on this machine's BLAS, once. Only on the CPU."""
+    others (one kv head; a window of w keys), on this machine's BLAS at this many threads, once. Only
+    on the CPU."""
     if device.type != "cpu":
         return False
     gen = torch.Generator().manual_seed(1)
@@ -549,15 +554,18 @@ def batches_windows(w: int, heads: int, head_dim: int, dtype: torch.dtype, devic
 
 
 @functools.cache
-def shares_values(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+def shares_values(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device, threads: int
+                  ) -> bool:
     """Whether `_weighted_values` gives each row of its probabilities the same result alone as beside up
     to MAX_SHARED_ROWS - 1 other rows' (of `group` query heads each), at the key counts a decoding body
-    has (below and above SPLIT_KEYS, odd and even halves): a BLAS picks its kernel by shape, so this is
-    checked on this machine's BLAS, once. Only on the CPU (elsewhere rows keep their own products)."""
+    has (below and above SPLIT_KEYS, up to 16k keys, odd and even halves): a BLAS picks its kernel and
+    its split among threads by shape, so this is checked on this machine's BLAS at this many threads,
+    once. Only on the CPU (elsewhere rows keep their own calls)."""
     if device.type != "cpu":
         return False
     gen = torch.Generator().manual_seed(0)
-    for n in (VALUE_BLOCK, 5 * VALUE_BLOCK, SPLIT_KEYS + VALUE_BLOCK, SPLIT_KEYS + 3 * VALUE_BLOCK):
+    for n in (VALUE_BLOCK, 5 * VALUE_BLOCK, SPLIT_KEYS + VALUE_BLOCK, SPLIT_KEYS + 3 * VALUE_BLOCK,
+              4 * SPLIT_KEYS + VALUE_BLOCK, 16 * SPLIT_KEYS + 3 * VALUE_BLOCK):
         v = torch.randn(kv_heads, n, head_dim, generator=gen).to(dtype)
         probs = torch.softmax(torch.randn(kv_heads, MAX_SHARED_ROWS * group, n, generator=gen), -1).to(dtype)
         alone = [_weighted_values(probs[:, r * group : (r + 1) * group].contiguous(), v)

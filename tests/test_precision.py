@@ -197,7 +197,12 @@ def test_a_bf16_layers_steps_multiply_its_bf16_weight_in_float32(shape: tuple[in
     for m in (1, 2, 5, 16):  # a row alone, in a pair, in a draft, in a batch: the same bits
         assert torch.equal(layer.step(x[:m]), steps[:m])
     assert torch.equal(layer.step(x[3:4]), steps[3:4])
-    assert torch.equal(layer.step(x)[:, : out // 3], layer.step(x)[:, : out // 3])
+    whole = packed.PackedLinear(lin, (), torch.bfloat16, steps=True)  # one part: the same columns
+    assert torch.allclose(whole.step(x), steps, atol=1e-5, rtol=1e-5)
+    huge = torch.nn.Linear(inp, out)
+    with torch.no_grad():
+        huge.weight[0, 0] = 1e5  # beyond float16's range: no copy, steps run the prefill's kernel
+    assert not packed.PackedLinear(huge, (), torch.bfloat16, steps=True).step_parts
 
 
 @needs_fp16
