@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,13 @@ def median_ratio(num: list[float], den: list[float]) -> float:
     """Median over rounds of num/den, each pair measured back to back: robust to the machine's drift,
     which on these shared machines can shift every timing by 30% between rounds."""
     return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
+def timed(fn: Callable[[], object], n: int) -> float:
+    """Median seconds of n calls."""
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)

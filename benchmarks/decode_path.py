@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_name, median_ratio  # noqa: E402
+from common import cpu_name, median_ratio, timed  # noqa: E402
 
 from kvfuse import model as model_mod  # noqa: E402
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
@@ -50,15 +50,6 @@ def before(self: model_mod.Decoder, i: int, q: torch.Tensor, k: torch.Tensor, v:
     out = (probs @ v).reshape(cfg.num_heads, tq, cfg.head_dim)
     return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
-
-def timed(fn: Callable[[], object], n: int) -> float:
-    """Median seconds of n calls."""
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def attention(engine: Engine, rounds: int) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_name, median_ratio, musique_cases, musique_prompt  # noqa: E402
+from common import cpu_name, median_ratio, musique_cases, musique_prompt, timed  # noqa: E402
 
 from kvfuse import model as model_mod  # noqa: E402
 from kvfuse.checkpoints import resolve_model_path  # noqa: E402
@@ -39,15 +39,6 @@ from kvfuse.kv import KVCache  # noqa: E402
 from kvfuse.metrics import kl_divergence  # noqa: E402
 from kvfuse.packed import PackedLinear  # noqa: E402
 from kvfuse.text import Tokenizer  # noqa: E402
-
-
-def timed(fn: Callable[[], object], n: int) -> float:
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 @contextmanager

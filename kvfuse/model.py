@@ -348,14 +348,13 @@ class Decoder(nn.Module):
             scores = scores.mul_(cfg.query_scale) if scores.dtype == torch.float32 else scores.float() * cfg.query_scale
             p = torch.softmax(scores, dim=-1)
             probs.append(p if p.dtype == v.dtype else p.to(v.dtype))
-        share = MAX_SHARED_ROWS
         bodies: dict[int, list[int]] = {}
         for r, e in enumerate(ends):
             bodies.setdefault(e - e % VALUE_BLOCK, []).append(r)
         outs: list[torch.Tensor] = [probs[0]] * len(ends)
         for f, rows in bodies.items():
-            for at in range(0, len(rows), share):
-                some = rows[at : at + share]
+            for at in range(0, len(rows), MAX_SHARED_ROWS):
+                some = rows[at : at + MAX_SHARED_ROWS]
                 body = _weighted_values(torch.cat([probs[r][:, :, :f] for r in some], 1), v[:, :f]) if f else None
                 for j, r in enumerate(some):
                     out = body[:, j * group : (j + 1) * group] if body is not None else None

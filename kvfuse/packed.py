@@ -79,8 +79,8 @@ class PackedLinear(nn.Module):
         self.biases = [None if bias is None else bias[lo:hi].clone() for lo, hi in rows]
         # decoding steps' copy (see the module docstring): float16 holding the weight as `dtype` rounds it
         # (none where a weight exceeds float16's range: FBGEMM would clamp it)
-        fits = bool(weight.abs().max() <= torch.finfo(torch.float16).max) if weight.numel() else True
-        copy = steps and dtype == torch.bfloat16 and self.onednn and fits and fp16_steps_available()
+        copy = steps and dtype == torch.bfloat16 and self.onednn and fp16_steps_available() and (
+            not weight.numel() or bool(weight.abs().max() <= torch.finfo(torch.float16).max))
         self.step_parts = [torch.ops.quantized.linear_prepack_fp16(weight[lo:hi].to(dtype).float(), b)
                            for (lo, hi), b in zip(rows, self.biases, strict=True)] if copy else []
 
