@@ -203,6 +203,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the dtype of `attend`'s two products (a prefill's attention) where not the queries' own (SDPA's):
+        # bf16's on the CPU is bfloat16 (`precision.convert`)
+        self.attention_dtype: torch.dtype | None = None
 
     # -- per-layer API ---------------------------------------------------------------------------
 
@@ -282,9 +285,10 @@ class Decoder(nn.Module):
         """
         cfg = self.cfg
         window = cfg.window(i)
+        low = self.attention_dtype is not None
         if cfg.attn_softcap is not None:
             out = _softcapped_attention(q, k, v, attention_mask(q_pos, k_pos, window), cfg)
-        elif q.shape[1] == k.shape[1] and window is None and torch.equal(q_pos, k_pos):
+        elif not low and q.shape[1] == k.shape[1] and window is None and torch.equal(q_pos, k_pos):
             # plain causal prefill: SDPA's causal kernel skips the masked half itself
             out = F.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=cfg.query_scale, enable_gqa=True
@@ -292,13 +296,19 @@ class Decoder(nn.Module):
         else:
             if plan is not None:
                 assert plan.q_pos.shape == q_pos.shape and plan.k_pos.shape == k_pos.shape, "a plan of other positions"
-            parts = [
-                F.scaled_dot_product_attention(
-                    q[None, :, s:e], k[None, :, lo:hi], v[None, :, lo:hi], attn_mask=mask[None, None],
-                    scale=cfg.query_scale, enable_gqa=True,
-                )[0]
-                for s, e, lo, hi, mask in (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i)
-            ]
+            blocks = (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i)
+            if low:
+                low_dtype = cast(torch.dtype, self.attention_dtype)
+                parts = [_low_attention(q[:, s:e], k[:, lo:hi], v[:, lo:hi], mask, cfg.query_scale, low_dtype)
+                         for s, e, lo, hi, mask in blocks]
+            else:
+                parts = [
+                    F.scaled_dot_product_attention(
+                        q[None, :, s:e], k[None, :, lo:hi], v[None, :, lo:hi], attn_mask=mask[None, None],
+                        scale=cfg.query_scale, enable_gqa=True,
+                    )[0]
+                    for s, e, lo, hi, mask in blocks
+                ]
             out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
@@ -588,6 +598,21 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     halves = probs[0, :, : 2 * half].unflatten(-1, (2, half)).transpose(0, 1)  # (2, Tq, half)
     out = torch.bmm(halves, v[0, : 2 * half].unflatten(0, (2, half))).sum(0, keepdim=True)
     return out + torch.bmm(probs[:, :, 2 * half :], v[:, 2 * half :]) if n % 2 else out
+
+
+def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Masked attention (heads, Tq, D) whose two products run in dtype (bfloat16: oneDNN's avx512_bf16
+    or AMX kernels, 2-4x SDPA's float32 one here, docs/benchmarks.md), the scores' softmax in float32.
+    q is scaled before it is rounded; the scores come back rounded to dtype (no float32 output on the
+    CPU), the probabilities and values are rounded to it, the output is float32 again."""
+    kv_heads, (heads, tq, d) = k.shape[0], q.shape
+    group = heads // kv_heads
+    qs = (q * scale).to(dtype).reshape(kv_heads, group * tq, d)
+    scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1).float()
+    probs = torch.softmax(scores.masked_fill_(mask.logical_not(), float("-inf")), -1)
+    out = torch.bmm(probs.view(kv_heads, group * tq, -1).to(dtype), v.to(dtype))
+    return out.view(heads, tq, d).to(q.dtype)
 
 
 def _softcapped_attention(

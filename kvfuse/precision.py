@@ -90,8 +90,9 @@ def check(precision: str) -> str:
 
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
-# activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32")
-TAGS = {"fp32": "", "bf16": "-bf16-f32", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
+# activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32", its prefill attention
+# float32 before "-a16")
+TAGS = {"fp32": "", "bf16": "-bf16-f32-a16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -209,6 +210,8 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Grou
     elif part.startswith("layers."):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         _pack(module.float(), model.block(0).self_attn.q_size, dtype)
+        if precision == "bf16" and next(module.parameters()).device.type == "cpu":
+            model.attention_dtype = dtype  # a prefill's attention products in bfloat16 too (`Decoder.attend`)
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
     if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8", "groups"):
         for m in module.modules():

@@ -260,3 +260,43 @@ def test_stacked_projections_split_back(tiny_models, family: str) -> None:
         q, k, v = model.project(1, h, pos)
         assert torch.allclose(model.query(1, h, pos), q, atol=1e-6)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.key_value(1, h, pos), (k, v), strict=True))
+
+
+def _attention_in_float64(cfg: ModelConfig, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The textbook masked softmax attention in float64 (the oracle of `attend`'s fast paths)."""
+    from kvfuse.model import attention_mask
+
+    group = cfg.num_heads // cfg.num_kv_heads
+    kk, vv = (x.double().repeat_interleave(group, 0) for x in (k, v))
+    scores = (q.double() @ kk.transpose(1, 2)) * cfg.query_scale
+    scores = scores.masked_fill(~attention_mask(q_pos, k_pos, cfg.window(i)), float("-inf"))
+    return (torch.softmax(scores, -1) @ vv).transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_bf16_models_prefill_attention_runs_in_bfloat16_close_to_float64(tiny_models, family: str) -> None:
+    """bf16 (on the CPU) runs `attend`'s products in bfloat16 and fp32 keeps SDPA's float32 kernel; on a
+    causal prefill longer than ATTN_BLOCK and on sparse queries among more keys (blend), every layer's
+    result is the float64 oracle's within bfloat16 rounding (fp32's within float32's), and not fp32's
+    bit for bit (it really ran in bfloat16)."""
+    from kvfuse.model import ATTN_BLOCK
+
+    models = {p: load_model(tiny_models[family][0], p).model for p in ("fp32", "bf16")}
+    assert models["fp32"].attention_dtype is None and models["bf16"].attention_dtype == torch.bfloat16
+    cfg, g = models["fp32"].cfg, torch.Generator().manual_seed(11)
+    n = ATTN_BLOCK + 44
+    k_pos = torch.arange(n)
+    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    for q_pos in (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values):
+        q = torch.randn(cfg.num_heads, len(q_pos), cfg.head_dim, generator=g)
+        for i in range(cfg.num_layers):
+            want = _attention_in_float64(cfg, i, q, q_pos, k, v, k_pos)
+            exact = models["fp32"].attend(i, q, q_pos, k, v, k_pos)
+            low = models["bf16"].attend(i, q, q_pos, k, v, k_pos)
+            assert low.dtype == torch.float32 and low.shape == want.shape
+            assert (exact.double() - want).abs().max() < 1e-5
+            err = (low.double() - want).abs().max()
+            assert err < 2 * 2**-8 * v.abs().max(), (i, err)
+            assert not torch.equal(low, exact)
