@@ -25,8 +25,11 @@ DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 ro
 
 
 def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of context's last n tokens (the longest
-    n <= max_ngram that occurred before); [] when none did. context: (L,) int64 token ids."""
+    """k tokens that followed the latest earlier occurrence of context's last n tokens (the longest
+    n <= max_ngram that occurred before); [] when none did. context: (L,) int64 token ids. Where what
+    followed reaches the end of the context before k tokens, the copy goes on over what it copied (as
+    LZ77's overlapping copy): a repeating pattern is drafted k tokens ahead, not only to the end of its
+    last period."""
     n_ctx = len(context)
     if k <= 0 or n_ctx < 2:
         return []
@@ -39,7 +42,11 @@ def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int
         starts = np.flatnonzero(hit)
         if len(starts):
             at = int(starts[-1]) + n  # the latest occurrence; the draft is what followed it
-            return [int(t) for t in context[at : at + k]]
+            draft = [int(t) for t in context[at : at + k]]
+            period = n_ctx - at  # where what followed runs into the end, it goes on copying itself
+            while len(draft) < k:
+                draft.append(draft[len(draft) - period])
+            return draft
     return []
 
 

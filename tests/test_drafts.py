@@ -21,7 +21,11 @@ def naive_propose(ctx: list[int], k: int, max_ngram: int = 3) -> list[int]:
         key = ctx[len(ctx) - n :]
         for i in range(len(ctx) - n - 1, -1, -1):  # the latest earlier start first
             if ctx[i : i + n] == key:
-                return ctx[i + n : i + n + k]
+                ext, out = list(ctx), []
+                for j in range(i + n, i + n + k):  # what followed, copying on past the end (LZ77-style)
+                    ext.append(ext[j])
+                    out.append(ext[j])
+                return out
     return []
 
 
@@ -37,6 +41,12 @@ def test_propose_prefers_the_longest_suffix_and_the_latest_occurrence() -> None:
     assert propose(np.array(ctx), 2) == [9, 9]  # (1, 2) occurred at 1: what followed it
     assert propose(np.array([3, 2, 7, 2, 6, 6, 2]), 3) == [6, 6, 2]  # (6, 2) at 5? no: (2,) latest at 3
     assert propose(np.array([1, 2, 3]), 4) == []
+
+
+def test_a_repeating_pattern_is_drafted_past_the_end_of_its_last_period() -> None:
+    assert propose(np.array([5, 1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]  # (1, 2) at 1: then 1, 2, and on
+    assert propose(np.array([4, 7, 7, 7]), 3) == [7, 7, 7]  # (7, 7) latest at 2: a period of one
+    assert propose(np.array([8, 1, 2, 3, 8, 1]), 6) == [2, 3, 8, 1, 2, 3]
 
 
 def test_context_grows_past_its_room() -> None:
