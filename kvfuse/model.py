@@ -603,15 +603,16 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                    dtype: torch.dtype) -> torch.Tensor:
     """Masked attention (heads, Tq, D) whose two products run in dtype (bfloat16: oneDNN's avx512_bf16
-    or AMX kernels, 2-4x SDPA's float32 one here, docs/benchmarks.md), the scores' softmax in float32.
-    q is scaled before it is rounded; the scores come back rounded to dtype (no float32 output on the
-    CPU), the probabilities and values are rounded to it, the output is float32 again."""
+    or AMX kernels, 1.5-2x SDPA's float32 one here, docs/benchmarks.md). q is scaled before it is
+    rounded; the scores come back rounded to dtype (no float32 output on the CPU), softmax reads them
+    and sums in float32 and rounds the probabilities to dtype (no float32 copy of the scores: the
+    copies cost more than the products), the values are rounded to it, the output is float32 again."""
     kv_heads, (heads, tq, d) = k.shape[0], q.shape
     group = heads // kv_heads
     qs = (q * scale).to(dtype).reshape(kv_heads, group * tq, d)
-    scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1).float()
+    scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1)
     probs = torch.softmax(scores.masked_fill_(mask.logical_not(), float("-inf")), -1)
-    out = torch.bmm(probs.view(kv_heads, group * tq, -1).to(dtype), v.to(dtype))
+    out = torch.bmm(probs.view(kv_heads, group * tq, -1), v.to(dtype))
     return out.view(heads, tq, d).to(q.dtype)
 
 
