@@ -297,9 +297,12 @@ class Decoder(nn.Module):
             if plan is not None:
                 assert plan.q_pos.shape == q_pos.shape and plan.k_pos.shape == k_pos.shape, "a plan of other positions"
             blocks = (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i)
-            if low:
+            if low:  # the keys and values the blocks read rounded once, not once a block (they overlap)
                 low_dtype = cast(torch.dtype, self.attention_dtype)
-                parts = [_low_attention(q[:, s:e], k[:, lo:hi], v[:, lo:hi], mask, cfg.query_scale, low_dtype)
+                first, end = min(b[2] for b in blocks), max(b[3] for b in blocks)
+                kl, vl = k[:, first:end].to(low_dtype), v[:, first:end].to(low_dtype)
+                parts = [_low_attention(q[:, s:e], kl[:, lo - first : hi - first], vl[:, lo - first : hi - first],
+                                        mask, cfg.query_scale, low_dtype)
                          for s, e, lo, hi, mask in blocks]
             else:
                 parts = [
