@@ -31,6 +31,18 @@ def test_screened_argmax_is_the_float32_argmax(kernel: str, vocab: int, hidden: 
     assert head.argmax_rows(xs) == [int(r.argmax()) for r in F.linear(xs, w)]
 
 
+@pytest.mark.parametrize("hidden", [12, 24, 33, 40])
+def test_a_head_whose_width_is_not_a_multiple_of_16_is_screened_too(hidden: int) -> None:
+    """torch's AVX-512 int8 kernel reads past rows of such widths (a segfault, stop 52): the int8pack
+    screen reads them in float32 instead, and still finds the float32 argmax."""
+    g = torch.Generator().manual_seed(hidden)
+    for vocab in range(2, 400, 37):
+        w = torch.randn(vocab, hidden, generator=g)
+        head = GreedyHead(w, "int8pack")
+        xs = torch.randn(6, hidden, generator=g)
+        assert head.argmax_rows(xs) == [int(r.argmax()) for r in F.linear(xs, w)]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_the_screen_reads_few_rows_and_settles_near_ties(kernel: str) -> None:
     g = torch.Generator().manual_seed(1)

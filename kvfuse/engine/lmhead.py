@@ -111,6 +111,9 @@ class GreedyHead:
         """The int8 screen's approximate logits (rows, vocab) in float32 for normed hidden states (rows, hidden)."""
         if self.packed is not None:
             return w8a8.matmul(xs.float(), self.packed, self.scale.shape[0])
+        if self.q.shape[1] % 16:  # torch's AVX-512 int8 kernel reads past such rows (`quant.int8_matmul`):
+            # the same bfloat16 input times the same int8 rows, summed in float32 (closer than the bounds)
+            return F.linear(xs.to(torch.bfloat16).float(), dequantize(self.q, self.scale, torch.float32))
         return torch._weight_int8pack_mm(xs.to(torch.bfloat16), self.q, self.scale).float()
 
     def _read(self, xf: torch.Tensor) -> tuple[torch.Tensor, float]:
