@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from kvfuse import w8a8
 from kvfuse.engine.sampling import SamplingParams, adjusted
 from kvfuse.groups import GroupTable
-from kvfuse.quant import QUANT_ROWS, dequantize, quantize_rows
+from kvfuse.quant import QUANT_ROWS, dequantize, int8_matmul, quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,9 @@ class GreedyHead:
         """The int8 screen's approximate logits (rows, vocab) in float32 for normed hidden states (rows, hidden)."""
         if self.packed is not None:
             return w8a8.matmul(xs.float(), self.packed, self.scale.shape[0])
-        if self.q.shape[1] % 16:  # torch's AVX-512 int8 kernel reads past such rows (`quant.int8_matmul`):
-            # the same bfloat16 input times the same int8 rows, summed in float32 (closer than the bounds)
-            return F.linear(xs.to(torch.bfloat16).float(), dequantize(self.q, self.scale, torch.float32))
-        return torch._weight_int8pack_mm(xs.to(torch.bfloat16), self.q, self.scale).float()
+        # torch's int8 kernel on the bfloat16-rounded rows; `int8_matmul` sums them in float32 instead where
+        # the kernel cannot run (a width not a multiple of 16), closer than the bounds assume
+        return int8_matmul(xs.to(torch.bfloat16).float(), self.q, self.scale)
 
     def _read(self, xf: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The input rows as the kernel reads them, and the kernel's relative output rounding."""
