@@ -99,6 +99,26 @@ class BlockFile:
                           fh.get_tensor(offset).clone() if offset else None, self.sizes[name])
 
 
+def vocab_pieces(root: Path) -> list[str | None] | None:
+    """Each token id's spelling in the checkpoint's tokenizer.json (its pieces, with "▁" or "Ġ" for a
+    leading space; None for an id it does not spell), or None where there is no readable tokenizer.json.
+    The engine keys its drafts by them (`drafts.token_keys`); it never tokenizes text."""
+    file = root / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - a tokenizer the library cannot read only loses the keyed drafts
+        log.warning("drafts match tokens as they are: %s is not readable (%s)", file, e)
+        return None
+    pieces: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    return pieces
+
+
 def checkpoint_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig) -> BlockFile:
     """The blocks of every weight of the checkpoint's GGUF that `groups` reads, each checked to dequantise
     to the converted float32 weight bit for bit: `groups.blocks` in the checkpoint, written there on

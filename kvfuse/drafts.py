@@ -8,6 +8,11 @@ multi-row step (`decode.step_rows`) and keeps the longest prefix that decoding w
 anyway (greedy, or sampled by the rejection rule: `Scheduler._verify`), plus the token that step chose
 after it. A draft costs rows in that step, never a different answer.
 
+`A token is matched by its draft key (`token_keys`): its spelling without a leading space, so a copy
+that begins at a line's start or after a quotation mark ("I was", "Duplicate") finds the same words where
+the source has them after a space (" I was", " Duplicate"); the draft copies the source's tokens as
+they are, and verification keeps only what decoding chooses.
+
 `DraftLength` sizes the next draft from how the last one did (after HF's prompt-lookup heuristic: two
 more after a draft taken whole, one fewer after a rejected one), so a request whose answer copies
 nothing soon drafts little.
@@ -22,23 +27,40 @@ import numpy as np
 
 MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried after it
 DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 rows: within a step's 8)
+SPACE_MARKS = ("\u2581", "\u0120")  # how SentencePiece ("▁") and byte-level BPE ("Ġ") spell a leading space
 
 
-def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def token_keys(pieces: Sequence[str | None], vocab_size: int = 0) -> np.ndarray:
+    """(max(len(pieces), vocab_size),) int64: each token's draft key, the lowest id spelled as it is
+    without one leading space mark (`SPACE_MARKS`), so that "▁Duplicate" and "Duplicate" match. A token
+    without a spelling (None, or an id past the pieces) and a bare space mark are keyed by their own id."""
+    keys = np.arange(max(len(pieces), vocab_size), dtype=np.int64)
+    first: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        if not piece:
+            continue
+        bare = piece[1:] if piece[0] in SPACE_MARKS and len(piece) > 1 else piece
+        keys[i] = first.setdefault(bare, i)
+    return keys
+
+
+def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM, keys: np.ndarray | None = None) -> list[int]:
     """k tokens that followed the latest earlier occurrence of context's last n tokens (the longest
-    n <= max_ngram that occurred before); [] when none did. context: (L,) int64 token ids. Where what
+    n <= max_ngram that occurred before); [] when none did. context: (L,) int64 token ids; keys: (L,)
+    their draft keys (`token_keys`), which the n-grams are matched on where given. Where what
     followed reaches the end of the context before k tokens, the copy goes on over what it copied (as
     LZ77's overlapping copy): a repeating pattern is drafted k tokens ahead, not only to the end of its
     last period."""
     n_ctx = len(context)
     if k <= 0 or n_ctx < 2:
         return []
+    match = context if keys is None else keys
     for n in range(min(max_ngram, n_ctx - 1), 0, -1):
-        key = context[n_ctx - n :]
+        key = match[n_ctx - n :]
         # starts i < n_ctx - n of windows equal to the key (the key itself, at n_ctx - n, is excluded)
-        hit = context[: n_ctx - n] == key[0]
+        hit = match[: n_ctx - n] == key[0]
         for j in range(1, n):
-            hit &= context[j : n_ctx - n + j] == key[j]
+            hit &= match[j : n_ctx - n + j] == key[j]
         starts = np.flatnonzero(hit)
         if len(starts):
             at = int(starts[-1]) + n  # the latest occurrence; the draft is what followed it
@@ -51,21 +73,29 @@ def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int
 
 
 class Context:
-    """A request's prompt and generated tokens as one growing array, for `propose`."""
+    """A request's prompt and generated tokens as one growing array, and their draft keys beside them
+    where the model's vocabulary gave a table of keys (`token_keys`), for `propose`."""
 
-    def __init__(self, prompt: Sequence[int], room: int) -> None:
+    def __init__(self, prompt: Sequence[int], room: int, table: np.ndarray | None = None) -> None:
         self.ids = np.empty(len(prompt) + room, dtype=np.int64)
         self.ids[: len(prompt)] = prompt
         self.n = len(prompt)
+        self.table = table
+        self.keys = None if table is None else np.zeros_like(self.ids)
+        if self.keys is not None and table is not None:
+            self.keys[: self.n] = table[self.ids[: self.n]]
 
     def extend(self, tokens: Sequence[int]) -> None:
         if self.n + len(tokens) > len(self.ids):  # more than the room reserved: grow
-            self.ids = np.concatenate((self.ids, np.empty(len(self.ids), dtype=np.int64)))
+            self.ids = np.concatenate((self.ids, np.zeros(len(self.ids), dtype=np.int64)))
+            self.keys = None if self.keys is None else np.concatenate((self.keys, np.zeros_like(self.keys)))
         self.ids[self.n : self.n + len(tokens)] = tokens
+        if self.keys is not None and self.table is not None:
+            self.keys[self.n : self.n + len(tokens)] = self.table[self.ids[self.n : self.n + len(tokens)]]
         self.n += len(tokens)
 
     def propose(self, k: int) -> list[int]:
-        return propose(self.ids[: self.n], k)
+        return propose(self.ids[: self.n], k, keys=None if self.keys is None else self.keys[: self.n])
 
 
 @dataclass(slots=True)

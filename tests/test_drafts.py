@@ -10,17 +10,18 @@ from conftest import rand_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfuse.drafts import Context, DraftLength, propose
+from kvfuse.drafts import Context, DraftLength, propose, token_keys
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
 from kvfuse.engine.sampling import SamplingParams
 
 
-def naive_propose(ctx: list[int], k: int, max_ngram: int = 3) -> list[int]:
+def naive_propose(ctx: list[int], k: int, max_ngram: int = 3, keys: list[int] | None = None) -> list[int]:
+    match = ctx if keys is None else keys
     for n in range(min(max_ngram, len(ctx) - 1), 0, -1):
-        key = ctx[len(ctx) - n :]
+        key = match[len(ctx) - n :]
         for i in range(len(ctx) - n - 1, -1, -1):  # the latest earlier start first
-            if ctx[i : i + n] == key:
+            if match[i : i + n] == key:
                 ext, out = list(ctx), []
                 for j in range(i + n, i + n + k):  # what followed, copying on past the end (LZ77-style)
                     ext.append(ext[j])
@@ -36,6 +37,33 @@ def test_propose_equals_a_naive_search(ctx: list[int], k: int) -> None:
     assert propose(np.array(ctx, dtype=np.int64), k) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 7), max_size=40), st.integers(0, 8), st.lists(st.integers(0, 7), min_size=8, max_size=8))
+def test_propose_on_keys_equals_a_naive_search_on_them(ctx: list[int], k: int, table: list[int]) -> None:
+    """n-grams matched on the tokens' keys (any many-to-one table); the draft copies the tokens."""
+    keys = [table[t] for t in ctx]
+    want = naive_propose(ctx, k, keys=keys) if k > 0 else []
+    assert propose(np.array(ctx, dtype=np.int64), k, keys=np.array(keys, dtype=np.int64)) == want
+
+
+def test_token_keys_join_a_spelling_with_and_without_its_leading_space() -> None:
+    pieces = ["I", "\u2581I", "\u2581was", "Duplicate", None, "\u2581", "\u0120Duplicate", "\u2581\u2581", "was"]
+    keys = token_keys(pieces, vocab_size=11)
+    assert keys.tolist() == [0, 0, 2, 3, 4, 5, 3, 5, 2, 9, 10]  # ids past the pieces keep their own
+
+
+def test_a_quote_that_starts_a_line_drafts_the_source_it_copies() -> None:
+    """The source has " I was charged" after a space; the quote begins "I" (no space) after a mark."""
+    pieces = ["<q>", "I", "\u2581I", "\u2581was", "\u2581charged", "\u2581twice", ".", "\u2581Quote"]
+    table = token_keys(pieces)
+    source, quote = [6, 2, 3, 4, 5, 6], [7, 0, 1]
+    c = Context(source + quote, room=4, table=table)
+    assert c.propose(4) == [3, 4, 5, 6]
+    assert Context(source + quote, room=4).propose(4) == []  # matched as tokens: no " I" is "I"
+    c.extend([3, 4])
+    assert c.propose(2) == [5, 6] and c.keys is not None and c.keys[: c.n].tolist() == table[c.ids[: c.n]].tolist()
+
+
 def test_propose_prefers_the_longest_suffix_and_the_latest_occurrence() -> None:
     ctx = [5, 1, 2, 9, 9, 7, 2, 8, 8, 1, 2]
     assert propose(np.array(ctx), 2) == [9, 9]  # (1, 2) occurred at 1: what followed it
@@ -49,12 +77,15 @@ def test_a_repeating_pattern_is_drafted_past_the_end_of_its_last_period() -> Non
     assert propose(np.array([8, 1, 2, 3, 8, 1]), 6) == [2, 3, 8, 1, 2, 3]
 
 
-def test_context_grows_past_its_room() -> None:
-    c = Context([1, 2, 3], room=1)
+@pytest.mark.parametrize("table", [None, np.array([0, 1, 1, 3])])
+def test_context_grows_past_its_room(table: np.ndarray | None) -> None:
+    c = Context([1, 2, 3], room=1, table=table)
     for t in (1, 2, 3, 1):
         c.extend([t])
     assert c.ids[: c.n].tolist() == [1, 2, 3, 1, 2, 3, 1]
     assert c.propose(3) == [2, 3, 1]
+    if table is not None:
+        assert c.keys is not None and c.keys[: c.n].tolist() == [1, 1, 3, 1, 1, 3, 1]
 
 
 def test_draft_length_grows_on_success_and_shrinks_on_rejection() -> None:
@@ -107,6 +138,13 @@ def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precisio
     monkeypatch.setattr(e, "draft_tokens", 6)
     drafted = [e.generate(r, "blend", 0.5, greedy) for r in reqs]
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    # keys that join many tokens (every third id alike) propose many wrong drafts: the answers stay
+    monkeypatch.setattr(e.scheduler, "draft_keys", np.arange(e.cfg.vocab_size) % 3)
+    keyed = [e.generate(r, "blend", 0.5, greedy) for r in reqs]
+    assert [g.tokens for g in keyed] == [g.tokens for g in plain]
+    if e.scheduler.drafts_pay():
+        assert sum(g.drafts.drafted for g in keyed) > sum(g.drafts.drafted for g in drafted)
+    monkeypatch.setattr(e.scheduler, "draft_keys", None)
     # drafts only where the layers are float on the CPU (fp32, bf16): int8's extra rows are dear
     assert e.scheduler.drafts_pay() == (precision in ("fp32", "bf16"))
     if e.decode_batch_limit() >= 2 and e.scheduler.drafts_pay():

@@ -10,7 +10,8 @@ import torch
 from conftest import SHARED
 
 from kvfuse.checkpoints import resolve_model_path
-from kvfuse.engine import Engine
+from kvfuse.engine import Engine, Request
+from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
 from kvfuse.precision import default_precision
 from kvfuse.text import Prompt, Tokenizer
@@ -196,8 +197,6 @@ def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # typ
 
 def test_real_screened_greedy_decoding_equals_the_float32_head(real) -> None:  # type: ignore[no-untyped-def]
     """The int8 screen of Gemma's 262k-row head picks exactly the float32 argmax, step after step."""
-    from kvfuse.engine.sampling import SamplingParams
-
     engine, tok, _ = real
     plain = Engine(engine.model, engine.fingerprint, self_check=False, greedy_screen=False)
     assert engine.greedy_head() is not None
@@ -399,3 +398,26 @@ def test_real_bf16_holds_its_table_in_the_ggufs_own_q8_0_groups(real, monkeypatc
     got, want = bf16.generate(req, "full", None, params), plain.generate(req, "full", None, params)
     assert got.tokens == want.tokens
     assert float((got.first_logits - want.first_logits).abs().max() / want.first_logits.abs().max()) < 1e-5
+
+
+def test_real_drafts_key_a_word_with_and_without_its_leading_space(real) -> None:  # type: ignore[no-untyped-def]
+    """Engine.load keys drafts by Gemma's vocabulary: a quote that begins "I" or "Duplicate" matches the
+    source's " I" and " Duplicate"; other words keep keys of their own; greedy answers stay as without keys."""
+    engine, tok, _ = real
+    keys = engine.scheduler.draft_keys
+    assert keys is not None and len(keys) >= engine.cfg.vocab_size
+    for word in ("I", "Duplicate", "charges"):
+        (bare,), (spaced,) = tok.encode(word), tok.encode(" " + word)
+        assert bare != spaced and keys[bare] == keys[spaced]
+    (a,), (b,) = tok.encode(" refund"), tok.encode(" renewal")
+    assert keys[a] != keys[b]
+    source = "8. I was charged twice. What happens?\nDuplicate charges are detected automatically and cancelled."
+    req = Request(prefix=tuple(tok.encode(source)), suffix=tuple(tok.encode('\nQuote: "I was charged')))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with_keys = engine.generate(req, "prefix", params=params)
+    engine.scheduler.draft_keys = None
+    try:
+        without = engine.generate(req, "prefix", params=params)
+    finally:
+        engine.scheduler.draft_keys = keys
+    assert with_keys.tokens == without.tokens

@@ -106,13 +106,19 @@ class Engine:
         """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`) on a device
         (the CPU, or an accelerator such as "cuda": the engine computes there, the store stays in host
         memory and on disk), open its store (memory, plus disk at store_dir, plus a shared Redis at
-        `remote`; `capacity`: bytes per tier name) and run the self-check."""
+        `remote`; `capacity`: bytes per tier name), run the self-check, and key its drafts by the
+        checkpoint's vocabulary (`drafts.token_keys`)."""
+        from kvfuse.checkpoints import vocab_pieces
+        from kvfuse.drafts import token_keys
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
-        return cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
+        engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
+        pieces = vocab_pieces(loaded.path)  # drafts match a token with or without its leading space
+        engine.scheduler.draft_keys = None if pieces is None else token_keys(pieces, loaded.model.cfg.vocab_size)
+        return engine
 
     @property
     def precision(self) -> str:

@@ -19,6 +19,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
@@ -63,6 +64,7 @@ class Scheduler:
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self.screen_samples = True  # sampled steps at low temperatures draw through the screen too
         self.draft_tokens = draft_tokens
+        self.draft_keys: np.ndarray | None = None  # drafts match n-grams on these keys (`drafts.token_keys`)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # batch_limit's checked answer
 
@@ -116,7 +118,7 @@ class Scheduler:
     def open(self, d: Decoding, prompt: Sequence[int]) -> None:
         """Let a request without recorded logits draft from its prompt and its own tokens."""
         if self.draft_tokens > 0 and d.steps is None and self.drafts_pay():
-            d.context = Context(prompt, d.params.max_tokens)
+            d.context = Context(prompt, d.params.max_tokens, self.draft_keys)
             d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
 
     def advance(self, batch: Sequence[Decoding]) -> None:
