@@ -30,11 +30,11 @@ DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 ro
 SPACE_MARKS = ("\u2581", "\u0120")  # how SentencePiece ("▁") and byte-level BPE ("Ġ") spell a leading space
 
 
-def token_keys(pieces: Sequence[str | None], vocab_size: int = 0) -> np.ndarray:
-    """(max(len(pieces), vocab_size),) int64: each token's draft key, the lowest id spelled as it is
-    without one leading space mark (`SPACE_MARKS`), so that "▁Duplicate" and "Duplicate" match. A token
-    without a spelling (None, or an id past the pieces) and a bare space mark are keyed by their own id."""
-    keys = np.arange(max(len(pieces), vocab_size), dtype=np.int64)
+def token_keys(pieces: Sequence[str | None]) -> np.ndarray:
+    """(len(pieces),) int64: each token's draft key, the lowest id spelled as it is without one leading
+    space mark (`SPACE_MARKS`), so that "▁Duplicate" and "Duplicate" match. A token without a spelling
+    (None) and a bare space mark are keyed by their own id."""
+    keys = np.arange(len(pieces), dtype=np.int64)
     first: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         if not piece:
@@ -42,6 +42,13 @@ def token_keys(pieces: Sequence[str | None], vocab_size: int = 0) -> np.ndarray:
         bare = piece[1:] if piece[0] in SPACE_MARKS and len(piece) > 1 else piece
         keys[i] = first.setdefault(bare, i)
     return keys
+
+
+def cover(keys: np.ndarray, vocab_size: int) -> np.ndarray:
+    """keys extended to a model's vocab_size ids: an id the vocabulary does not spell is its own key."""
+    if len(keys) >= vocab_size:
+        return keys
+    return np.concatenate((keys, np.arange(len(keys), vocab_size, dtype=np.int64)))
 
 
 def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM, keys: np.ndarray | None = None) -> list[int]:

@@ -10,7 +10,7 @@ from conftest import rand_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfuse.drafts import Context, DraftLength, propose, token_keys
+from kvfuse.drafts import Context, DraftLength, cover, propose, token_keys
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
 from kvfuse.engine.sampling import SamplingParams
@@ -48,8 +48,10 @@ def test_propose_on_keys_equals_a_naive_search_on_them(ctx: list[int], k: int, t
 
 def test_token_keys_join_a_spelling_with_and_without_its_leading_space() -> None:
     pieces = ["I", "\u2581I", "\u2581was", "Duplicate", None, "\u2581", "\u0120Duplicate", "\u2581\u2581", "was"]
-    keys = token_keys(pieces, vocab_size=11)
-    assert keys.tolist() == [0, 0, 2, 3, 4, 5, 3, 5, 2, 9, 10]  # ids past the pieces keep their own
+    keys = token_keys(pieces)
+    assert keys.tolist() == [0, 0, 2, 3, 4, 5, 3, 5, 2]
+    assert cover(keys, 11).tolist() == keys.tolist() + [9, 10]  # ids past the pieces keep their own
+    assert cover(keys, 5) is keys
 
 
 def test_a_quote_that_starts_a_line_drafts_the_source_it_copies() -> None:
@@ -233,3 +235,18 @@ def test_a_grammar_request_drafts_and_gets_the_tokens_it_gets_without(engine_at,
     assert all(t not in b[i] for g, b in zip(drafted, banned, strict=True) for i, t in enumerate(g.tokens))
     if e.decode_batch_limit() >= 2:
         assert sum(g.drafts.accepted for g in drafted) > 0
+
+
+def test_vocab_pieces_reads_a_checkpoints_tokenizer_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from kvfuse.checkpoints import vocab_pieces
+
+    assert vocab_pieces(tmp_path) is None  # no tokenizer.json: drafts match tokens as they are
+    Tokenizer(WordLevel({"I": 0, "\u2581I": 1, "\u2581was": 3}, unk_token="I")).save(str(tmp_path / "tokenizer.json"))
+    pieces = vocab_pieces(tmp_path)
+    assert pieces == ["I", "\u2581I", None, "\u2581was"]  # id 2 is spelled by nothing
+    assert token_keys(pieces).tolist() == [0, 0, 2, 3]
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert vocab_pieces(tmp_path) is None  # unreadable: the same, with a warning

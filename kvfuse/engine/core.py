@@ -108,16 +108,22 @@ class Engine:
         memory and on disk), open its store (memory, plus disk at store_dir, plus a shared Redis at
         `remote`; `capacity`: bytes per tier name), run the self-check, and key its drafts by the
         checkpoint's vocabulary (`drafts.token_keys`)."""
-        from kvfuse.checkpoints import vocab_pieces
-        from kvfuse.drafts import token_keys
+        from kvfuse.checkpoints import resolve_model_path, vocab_pieces
+        from kvfuse.drafts import cover, token_keys
+        from kvfuse.heap import return_freed_memory
         from kvfuse.store import open_store
         from kvfuse.weights import load_model
 
+        # drafts match a token with or without its leading space: the vocabulary's spellings are read
+        # before the weights, and the heap they took (about 350 MB on Gemma 3) is handed back
+        pieces = vocab_pieces(resolve_model_path(path))
+        keys = None if pieces is None else token_keys(pieces)
+        del pieces
+        return_freed_memory()
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
-        pieces = vocab_pieces(loaded.path)  # drafts match a token with or without its leading space
-        engine.scheduler.draft_keys = None if pieces is None else token_keys(pieces, loaded.model.cfg.vocab_size)
+        engine.scheduler.draft_keys = None if keys is None else cover(keys, engine.cfg.vocab_size)
         return engine
 
     @property
