@@ -235,3 +235,13 @@ def test_the_screen_finds_the_best_allowed_token(kernel: str) -> None:
     for row, m, tok in zip(exact, masks, got, strict=True):
         want = int(row.masked_fill(~m, float("-inf")).argmax()) if m is not None else int(row.argmax())
         assert tok == want and (m is None or bool(m[tok]))
+
+
+@pytest.mark.skipif(not w8a8.available(), reason="no FBGEMM")
+def test_the_fbgemm_screen_keeps_only_fbgemms_copy_of_the_int8_rows() -> None:
+    """FBGEMM's packed rows replace the int8 rows: no tensor (nor a view of none) keeps the rows' bytes."""
+    w = torch.randn(512, 64, generator=torch.Generator().manual_seed(3))
+    head = GreedyHead(w, "w8a8")
+    assert head.q.untyped_storage().nbytes() == 0
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    assert head.argmax_rows(x) == F.linear(x, w).argmax(1).tolist()
