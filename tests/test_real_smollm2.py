@@ -105,3 +105,14 @@ def test_smollm2_runs_by_the_path_of_its_gguf(smol, tmp_path, monkeypatch, capsy
     got = json.loads(capsys.readouterr().out)
     assert got["answer"] == named["answer"] and "Paris" in got["answer"]
     assert got["first_token_top"] == named["first_token_top"]
+
+
+def test_smollm2_drafts_key_a_word_with_and_without_its_leading_space(smol) -> None:  # type: ignore[no-untyped-def]
+    """SmolLM2's byte-level BPE spells a leading space "Ġ": its drafts join " I" and "I" as Gemma's join "▁I"."""
+    engine, tok, _ = smol
+    keys = engine.scheduler.draft_keys
+    assert keys is not None and len(keys) >= engine.cfg.vocab_size
+    for word in ("I", "Duplicate", "charged"):
+        bare, spaced = tok.encode(word), tok.encode(" " + word)
+        assert bare != spaced and keys[bare[0]] == keys[spaced[0]]
+    assert keys[tok.encode(" refund")[0]] != keys[tok.encode(" renewal")[0]]

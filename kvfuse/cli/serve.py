@@ -61,7 +61,6 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     rt = open_engine(args.model, store, precision=args.precision,
                      capacity={"memory": args.memory_bytes, "disk": args.disk_bytes}, remote=remote(args),
                      device=args.device)
-    rt.engine.greedy_head()  # build the LM head's int8 screen now (about 2 s), not on the first request
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
     if kbs:  # the conflict check's indexes, built beside the start rather than inside the first answer

@@ -126,7 +126,7 @@ class Engine:
         engine.scheduler.draft_keys = None if keys is None else cover(keys, engine.cfg.vocab_size)
         # the greedy screen now, not in the first request's first step: that request would wait for it
         # (about 3 s on Gemma 3), and its temporaries (about 0.6 GB) would come on top of the caches
-        engine.scheduler.greedy_head()
+        engine.greedy_head()
         return engine
 
     @property
