@@ -1,5 +1,5 @@
 """Drafts from the context (prompt-lookup speculative decoding): the next tokens proposed from n-grams
-of the request's own prompt and of what it has generated so far. Token ids only.
+of the request's own prompt and of what it has generated so far. Token ids and a table of keys only.
 
 An answer over a knowledge base or retrieved passages copies spans of them (names, amounts, whole
 quotes). When the last n tokens generated (n = 3, then 2, then 1) occurred before, the tokens that
@@ -8,7 +8,7 @@ multi-row step (`decode.step_rows`) and keeps the longest prefix that decoding w
 anyway (greedy, or sampled by the rejection rule: `Scheduler._verify`), plus the token that step chose
 after it. A draft costs rows in that step, never a different answer.
 
-`A token is matched by its draft key (`token_keys`): its spelling without a leading space, so a copy
+A token is matched by its draft key (`token_keys`): its spelling without a leading space, so a copy
 that begins at a line's start or after a quotation mark ("I was", "Duplicate") finds the same words where
 the source has them after a space (" I was", " Duplicate"); the draft copies the source's tokens as
 they are, and verification keeps only what decoding chooses.
@@ -88,8 +88,9 @@ class Context:
         self.ids[: len(prompt)] = prompt
         self.n = len(prompt)
         self.table = table
-        self.keys = None if table is None else np.zeros_like(self.ids)
-        if self.keys is not None and table is not None:
+        self.keys: np.ndarray | None = None
+        if table is not None:
+            self.keys = np.zeros_like(self.ids)
             self.keys[: self.n] = table[self.ids[: self.n]]
 
     def extend(self, tokens: Sequence[int]) -> None:

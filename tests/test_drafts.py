@@ -146,7 +146,6 @@ def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precisio
     assert [g.tokens for g in keyed] == [g.tokens for g in plain]
     if e.scheduler.drafts_pay():
         assert sum(g.drafts.drafted for g in keyed) > sum(g.drafts.drafted for g in drafted)
-    monkeypatch.setattr(e.scheduler, "draft_keys", None)
     # drafts only where the layers are float on the CPU (fp32, bf16): int8's extra rows are dear
     assert e.scheduler.drafts_pay() == (precision in ("fp32", "bf16"))
     if e.decode_batch_limit() >= 2 and e.scheduler.drafts_pay():
@@ -250,3 +249,25 @@ def test_vocab_pieces_reads_a_checkpoints_tokenizer_json(tmp_path) -> None:  # t
     assert token_keys(pieces).tolist() == [0, 0, 2, 3]
     (tmp_path / "tokenizer.json").write_text("{not json")
     assert vocab_pieces(tmp_path) is None  # unreadable: the same, with a warning
+
+
+def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Engine.load reads tokenizer.json's spellings into the scheduler's keys, over the whole vocabulary;
+    a table too short for the model's ids is refused."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_models["llama"][0], root)
+    vocab = {"I": 5, "\u2581I": 9, "\u0120I": 11, "was": 12}
+    Tokenizer(WordLevel(vocab, unk_token="I")).save(str(root / "tokenizer.json"))
+    e = Engine.load(root, self_check=False)
+    keys = e.scheduler.draft_keys
+    assert keys is not None and len(keys) == e.cfg.vocab_size
+    assert keys[9] == keys[11] == 5 and keys[12] == 12 and keys[7] == 7
+    assert e.greedy_head() is e.scheduler.greedy_head()  # built at load, once
+    with pytest.raises(ValueError, match="each of the model's"):
+        e.scheduler.draft_keys = keys[:10]
+    assert Engine.load(root, precision="int8", self_check=False).scheduler.draft_keys is None  # int8 drafts nothing

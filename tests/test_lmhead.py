@@ -114,7 +114,7 @@ def test_a_greedy_first_token_reads_no_float_head_until_its_logits_are_asked_for
 
     e = tiny_engines["llama"]
     plain = Engine(e.model, e.fingerprint, self_check=False, greedy_screen=False)
-    assert e.greedy_head() is not None  # built (a server builds it at start); never inside a request's TTFT
+    assert e.greedy_head() is not None  # built (Engine.load builds it); never inside a request's TTFT
     ids = tuple(int(t) for t in torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(7)))
     req = Request(prefix=ids[:10], chunks=(ids[10:22], ids[22:35]), suffix=ids[35:])
     want = plain.generate(req, mode, params=SamplingParams(max_tokens=1))

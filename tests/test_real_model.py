@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import SHARED
 
 from kvfuse.checkpoints import resolve_model_path
+from kvfuse.drafts import propose
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
@@ -412,7 +414,7 @@ def test_real_drafts_key_a_word_with_and_without_its_leading_space(real) -> None
     (a,), (b,) = tok.encode(" refund"), tok.encode(" renewal")
     assert keys[a] != keys[b]
     source = "8. I was charged twice. What happens?\nDuplicate charges are detected automatically and cancelled."
-    req = Request(prefix=tuple(tok.encode(source)), suffix=tuple(tok.encode('\nQuote: "I was charged')))
+    req = Request(prefix=tuple(tok.encode(source)), suffix=tuple(tok.encode('\nQuote: "I')))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with_keys = engine.generate(req, "prefix", params=params)
     engine.scheduler.draft_keys = None
@@ -421,3 +423,7 @@ def test_real_drafts_key_a_word_with_and_without_its_leading_space(real) -> None
     finally:
         engine.scheduler.draft_keys = keys
     assert with_keys.tokens == without.tokens
+    # the quote's first draft is found only by its key: "I" after the mark is the source's " I"
+    ids = np.array(req.ids, dtype=np.int64)
+    follows = tok.encode(" was charged twice. What happens")
+    assert propose(ids, 6, keys=keys[ids]) == follows[:6] and propose(ids, 6) == []

@@ -112,14 +112,17 @@ class Engine:
         from kvfuse.drafts import cover, token_keys
         from kvfuse.heap import return_freed_memory
         from kvfuse.store import open_store
-        from kvfuse.weights import load_model
+        from kvfuse.weights import check_device, load_model
 
-        # drafts match a token with or without its leading space: the vocabulary's spellings are read
-        # before the weights, and the heap they took (about 350 MB on Gemma 3) is handed back
-        pieces = vocab_pieces(resolve_model_path(path))
-        keys = None if pieces is None else token_keys(pieces)
-        del pieces
-        return_freed_memory()
+        # drafts match a token with or without its leading space, where they run (`Scheduler.drafts_pay`):
+        # the vocabulary's spellings are read before the weights, and the heap they took (about 350 MB
+        # on Gemma 3) is handed back
+        keys = None
+        if precision in SCREENED and check_device(device, precision).type == "cpu":
+            pieces = vocab_pieces(resolve_model_path(path))
+            keys = None if pieces is None else token_keys(pieces)
+            del pieces
+            return_freed_memory()
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
@@ -270,7 +273,8 @@ class Engine:
     # -- decoding ----------------------------------------------------------------------------------
 
     def greedy_head(self) -> GreedyHead | None:
-        """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
+        """The int8 screen of the LM head for exact greedy steps (None: not used); `Engine.load` builds it,
+        an engine made otherwise at its first use."""
         return self.scheduler.greedy_head()
 
     @property

@@ -64,12 +64,25 @@ class Scheduler:
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
         self.screen_samples = True  # sampled steps at low temperatures draw through the screen too
         self.draft_tokens = draft_tokens
-        self.draft_keys: np.ndarray | None = None  # drafts match n-grams on these keys (`drafts.token_keys`)
+        self._draft_keys: np.ndarray | None = None  # drafts match n-grams on these keys (`drafts.token_keys`)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # batch_limit's checked answer
 
+    @property
+    def draft_keys(self) -> np.ndarray | None:
+        """Each token id's draft key (`drafts.token_keys`), or None: drafts match tokens as they are."""
+        return self._draft_keys
+
+    @draft_keys.setter
+    def draft_keys(self, keys: np.ndarray | None) -> None:
+        vocab = self.model.cfg.vocab_size
+        if keys is not None and (keys.ndim != 1 or len(keys) < vocab):
+            raise ValueError(f"draft keys must give each of the model's {vocab} token ids a key, got {keys.shape}")
+        self._draft_keys = keys
+
     def greedy_head(self) -> GreedyHead | None:
-        """The int8 screen of the LM head for exact greedy steps, built on first use (None: not used)."""
+        """The int8 screen of the LM head for exact greedy steps, built on first use (`Engine.load` uses
+        it first; None: not used)."""
         if self._greedy_head is False:
             use = self.greedy_screen and self._screen()
             self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None
