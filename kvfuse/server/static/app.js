@@ -255,6 +255,7 @@ async function rebuild(request, what) {
   const timer = setInterval(tick, 200);
   try {
     const out = await (await request()).json();
+    clearInterval(timer);  // before the outcome is written: a late tick would overwrite it
     const built = out.builds.map((b) => `${b.group}: ${b.tokens_recomputed} tokens recomputed in ${b.build_s.toFixed(2)} s`);
     status.textContent = `${what}: done. ` + (built.length ? `Rebuilt ${built.join("; ")}.`
       : "Nothing cached had to be recomputed (no prefix of these groups has been read yet, or the change "
