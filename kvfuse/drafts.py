@@ -80,30 +80,28 @@ def propose(context: np.ndarray, k: int, max_ngram: int = MAX_NGRAM, keys: np.nd
 
 
 class Context:
-    """A request's prompt and generated tokens as one growing array, and their draft keys beside them
-    where the model's vocabulary gave a table of keys (`token_keys`), for `propose`."""
+    """A request's prompt and generated tokens as one growing array, for `propose`, matched on their
+    draft keys where the model's vocabulary gave a table of keys (`token_keys`)."""
 
     def __init__(self, prompt: Sequence[int], room: int, table: np.ndarray | None = None) -> None:
         self.ids = np.empty(len(prompt) + room, dtype=np.int64)
         self.ids[: len(prompt)] = prompt
         self.n = len(prompt)
         self.table = table
-        self.keys: np.ndarray | None = None
-        if table is not None:
-            self.keys = np.zeros_like(self.ids)
-            self.keys[: self.n] = table[self.ids[: self.n]]
 
     def extend(self, tokens: Sequence[int]) -> None:
         if self.n + len(tokens) > len(self.ids):  # more than the room reserved: grow
-            self.ids = np.concatenate((self.ids, np.zeros(len(self.ids), dtype=np.int64)))
-            self.keys = None if self.keys is None else np.concatenate((self.keys, np.zeros_like(self.keys)))
+            self.ids = np.concatenate((self.ids, np.empty(len(self.ids), dtype=np.int64)))
         self.ids[self.n : self.n + len(tokens)] = tokens
-        if self.keys is not None and self.table is not None:
-            self.keys[self.n : self.n + len(tokens)] = self.table[self.ids[self.n : self.n + len(tokens)]]
         self.n += len(tokens)
 
+    @property
+    def keys(self) -> np.ndarray | None:
+        """The tokens' draft keys (a gather of the table: microseconds at 10k tokens), or None."""
+        return None if self.table is None else self.table[self.ids[: self.n]]
+
     def propose(self, k: int) -> list[int]:
-        return propose(self.ids[: self.n], k, keys=None if self.keys is None else self.keys[: self.n])
+        return propose(self.ids[: self.n], k, keys=self.keys)
 
 
 @dataclass(slots=True)
