@@ -74,10 +74,14 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)  # gate and up stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.activation = cfg.activation
         self.act = (lambda x: F.gelu(x, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
     def forward(self, x: torch.Tensor, step: bool = False) -> torch.Tensor:
-        gate, up = _product(self.gate_up_proj, x, step).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj
+        if not step and isinstance(gate_up, PackedLinear) and gate_up.gates(self.activation):
+            return _product(self.down_proj, gate_up.gated(x, self.activation), step)  # bf16's prefill rows
+        gate, up = _product(gate_up, x, step).split(self.inter, dim=-1)
         return _product(self.down_proj, self.act(gate) * up, step)
 
 
@@ -277,7 +281,8 @@ class Decoder(nn.Module):
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
         plan: RowPlan | None = None,
     ) -> torch.Tensor:
-        """Attention of queries at q_pos over keys at k_pos under the exact causal (and window) mask -> (Tq, heads*D).
+        """Attention of queries at q_pos over keys at k_pos under the exact causal (and window) mask -> (Tq, heads*D),
+        in q's dtype, or in the attention dtype where the products run in it (`_low_attention`).
 
         Both position vectors must be ascending. Long query sets run in blocks of ATTN_BLOCK queries,
         each against only the keys its mask can reach, so a sliding layer costs O(T * window). `plan`
@@ -609,14 +614,15 @@ def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     or AMX kernels, 1.5-2x SDPA's float32 one here, docs/benchmarks.md). q is scaled before it is
     rounded; the scores come back rounded to dtype (no float32 output on the CPU), softmax reads them
     and sums in float32 and rounds the probabilities to dtype (no float32 copy of the scores: the
-    copies cost more than the products), the values are rounded to it, the output is float32 again."""
+    copies cost more than the products), the values are rounded to it, and the output stays in dtype:
+    the output projection, which runs in it, reads it as it is (a float32 copy would round back to the
+    same numbers)."""
     kv_heads, (heads, tq, d) = k.shape[0], q.shape
     group = heads // kv_heads
     qs = (q * scale).to(dtype).reshape(kv_heads, group * tq, d)
     scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1)
     probs = torch.softmax(scores.masked_fill_(mask.logical_not(), float("-inf")), -1)
-    out = torch.bmm(probs.view(kv_heads, group * tq, -1), v.to(dtype))
-    return out.view(heads, tq, d).to(q.dtype)
+    return torch.bmm(probs.view(kv_heads, group * tq, -1), v.to(dtype)).view(heads, tq, d)
 
 
 def _softcapped_attention(

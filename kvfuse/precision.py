@@ -91,8 +91,8 @@ def check(precision: str) -> str:
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
 # activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32", its prefill attention
-# float32 before "-a16")
-TAGS = {"fp32": "", "bf16": "-bf16-f32-a16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
+# float32 before "-a16", its prefill MLP's activation in float32 after the product before "-g16")
+TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -253,7 +253,8 @@ def _pack(layer: nn.Module, q_size: int, dtype: torch.dtype) -> None:
     the layer is not on the CPU, float32 layers stay plain and bfloat16 ones hold plain bfloat16
     weights. A stacked q/k/v weight is packed in two parts (q; k and v), which `Decoder.query` and
     `key_value` run alone. bfloat16 layers also keep their weights in float16 for decoding steps
-    (`PackedLinear.step`), where FBGEMM reads them about twice as fast."""
+    (`PackedLinear.step`), where FBGEMM reads them about twice as fast, and their stacked gate and up
+    weight in two parts, whose product `MLP.forward` runs with the activation inside (`PackedLinear.gated`)."""
     import torch
 
     from kvfuse.packed import PackedLinear, available
@@ -261,7 +262,13 @@ def _pack(layer: nn.Module, q_size: int, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 or (available() and next(layer.parameters()).device.type == "cpu"):
         q_rows = (q_size,)
         steps = dtype == torch.bfloat16  # and a float16 copy for decoding steps, where FBGEMM runs it
-        _replace_linears(layer, lambda name, lin: PackedLinear(lin, q_rows if name == "qkv_proj" else (), dtype, steps))
+
+        def splits(name: str, lin: nn.Linear) -> tuple[int, ...]:
+            if name == "qkv_proj":
+                return q_rows
+            return (lin.out_features // 2,) if name == "gate_up_proj" and steps else ()
+
+        _replace_linears(layer, lambda name, lin: PackedLinear(lin, splits(name, lin), dtype, steps))
 
 
 def _replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:

@@ -205,6 +205,34 @@ def test_a_bf16_layers_steps_multiply_its_bf16_weight_in_float32(shape: tuple[in
     assert not packed.PackedLinear(huge, (), torch.bfloat16, steps=True).step_parts
 
 
+@needs_onednn
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_bf16_prefills_mlp_runs_its_activation_inside_the_gate_product(tiny_models, family: str) -> None:
+    """bf16 holds each MLP's gate and up as two parts and runs a prefill's hidden rows through `gated`
+    (Gemma's gelu-tanh and Llama's silu applied by oneDNN to the gate product's float32 sums, each
+    product rounded once to bfloat16): every layer's MLP is the float64 oracle on the same rounded
+    weights within bfloat16 rounding. fp32 never gates, and decoding steps keep their float32 path."""
+    import torch.nn.functional as F
+
+    models = {p: load_model(tiny_models[family][0], p).model for p in ("fp32", "bf16")}
+    g = torch.Generator().manual_seed(5)
+    for exact, blk in zip(models["fp32"].layers, models["bf16"].layers, strict=True):
+        mlp, gate_up = blk.mlp, blk.mlp.gate_up_proj
+        assert gate_up.gates(mlp.activation) and not exact.mlp.gate_up_proj.gates(mlp.activation)
+        x = torch.randn(37, gate_up.in_features, generator=g)
+        w = gate_up.state_dict()["weight"].double()  # the bfloat16 weights the layer holds
+        gate, up = (x.bfloat16().double() @ w.T).split(mlp.inter, -1)
+        act = F.gelu(gate, approximate="tanh") if mlp.activation == "gelu_tanh" else F.silu(gate)
+        want = (act * up).bfloat16().double() @ mlp.down_proj.state_dict()["weight"].double().T
+        with torch.inference_mode():
+            got = mlp(x)
+            assert torch.equal(got, mlp.down_proj(gate_up.gated(x, mlp.activation)))  # the path it took
+            steps = mlp(x, step=True)
+        assert gate_up.gated(x, mlp.activation).dtype == torch.bfloat16
+        assert float((got.double() - want).norm() / want.norm()) < 2**-7
+        assert not torch.equal(steps, got)  # steps: float32 rows on the float16 copy, the activation in torch
+
+
 @needs_fp16
 def test_a_bf16_models_decoding_steps_run_the_float16_copy(engine_at) -> None:
     """bf16's layers keep the float16 copy for steps and fp32's do not (the oracle stays float32). A
