@@ -30,16 +30,28 @@ DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 ro
 SPACE_MARKS = ("\u2581", "\u0120")  # how SentencePiece ("▁") and byte-level BPE ("Ġ") spell a leading space
 
 
+def space_mark(pieces: Sequence[str | None]) -> str:
+    """The mark this vocabulary spells a leading space with: whichever of `SPACE_MARKS` begins more of
+    its pieces ("▁" on a tie). A SentencePiece vocabulary may also hold a piece that begins with a
+    literal "Ġ", and a byte-level one with "▁"; those are letters there, not spaces."""
+    counts = dict.fromkeys(SPACE_MARKS, 0)
+    for piece in pieces:
+        if piece and piece[0] in counts:
+            counts[piece[0]] += 1
+    return max(SPACE_MARKS, key=counts.__getitem__)
+
+
 def token_keys(pieces: Sequence[str | None]) -> np.ndarray:
     """(len(pieces),) int64: each token's draft key, the lowest id spelled as it is without one leading
-    space mark (`SPACE_MARKS`), so that "▁Duplicate" and "Duplicate" match. A token without a spelling
-    (None) and a bare space mark are keyed by their own id."""
+    space mark (the vocabulary's own, `space_mark`), so that "▁Duplicate" and "Duplicate" match. A
+    token without a spelling (None) and a bare space mark are keyed by their own id."""
+    mark = space_mark(pieces)
     keys = np.arange(len(pieces), dtype=np.int64)
     first: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         if not piece:
             continue
-        bare = piece[1:] if piece[0] in SPACE_MARKS and len(piece) > 1 else piece
+        bare = piece[1:] if piece[0] == mark and len(piece) > 1 else piece
         keys[i] = first.setdefault(bare, i)
     return keys
 

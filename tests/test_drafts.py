@@ -10,7 +10,7 @@ from conftest import rand_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfuse.drafts import Context, DraftLength, cover, propose, token_keys
+from kvfuse.drafts import Context, DraftLength, cover, propose, space_mark, token_keys
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
 from kvfuse.engine.sampling import SamplingParams
@@ -47,11 +47,17 @@ def test_propose_on_keys_equals_a_naive_search_on_them(ctx: list[int], k: int, t
 
 
 def test_token_keys_join_a_spelling_with_and_without_its_leading_space() -> None:
+    """The vocabulary's own space mark is stripped: "▁" in a SentencePiece one, where a piece that
+    begins with a literal "Ġ" is a letter, and "Ġ" in a byte-level one, the other way round."""
     pieces = ["I", "\u2581I", "\u2581was", "Duplicate", None, "\u2581", "\u0120Duplicate", "\u2581\u2581", "was"]
+    assert space_mark(pieces) == "\u2581"
     keys = token_keys(pieces)
-    assert keys.tolist() == [0, 0, 2, 3, 4, 5, 3, 5, 2]
+    assert keys.tolist() == [0, 0, 2, 3, 4, 5, 6, 5, 2]
     assert cover(keys, 11).tolist() == keys.tolist() + [9, 10]  # ids past the pieces keep their own
     assert cover(keys, 5) is keys
+    byte_level = ["I", "\u0120I", "\u0120was", "was", "\u2581I", "\u0120"]
+    assert space_mark(byte_level) == "\u0120"
+    assert token_keys(byte_level).tolist() == [0, 0, 2, 2, 4, 5]
 
 
 def test_a_quote_that_starts_a_line_drafts_the_source_it_copies() -> None:
@@ -261,12 +267,12 @@ def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_
 
     root = tmp_path / "ckpt"
     shutil.copytree(tiny_models["llama"][0], root)
-    vocab = {"I": 5, "\u2581I": 9, "\u0120I": 11, "was": 12}
+    vocab = {"I": 5, "\u2581I": 9, "\u0120I": 11, "was": 12, "\u0120was": 13}  # byte-level: "Ġ" is its space
     Tokenizer(WordLevel(vocab, unk_token="I")).save(str(root / "tokenizer.json"))
     e = Engine.load(root, self_check=False)
     keys = e.scheduler.draft_keys
     assert keys is not None and len(keys) == e.cfg.vocab_size
-    assert keys[9] == keys[11] == 5 and keys[12] == 12 and keys[7] == 7
+    assert keys[11] == 5 and keys[13] == keys[12] == 12 and keys[7] == 7 and keys[9] == 9
     assert e.greedy_head() is e.scheduler.greedy_head()  # built at load, once
     with pytest.raises(ValueError, match="each of the model's"):
         e.scheduler.draft_keys = keys[:10]
