@@ -30,7 +30,9 @@ from kvfuse.rope import rope_cos_sin, rotate, signed_sin
 from kvfuse.w8a8 import W8A8Linear
 
 ATTN_BLOCK = 256  # queries per attention block for long prefills
-AttnBlock = tuple[int, int, int, int, torch.Tensor]  # (query start, end, first key, key end, mask (e-s, hi-lo))
+# (query start, end, first key, key end, mask (e-s, hi-lo)): a boolean mask, or an additive one (0 where a
+# query sees a key, -inf elsewhere) in the dtype of a low-precision attention's scores
+AttnBlock = tuple[int, int, int, int, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -149,7 +151,7 @@ class RowPlan:
         self.cfg, self.q_pos = cfg, q_pos
         self.k_pos = q_pos if k_pos is None else k_pos
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._blocks: dict[int | None, list[AttnBlock]] = {}
+        self._blocks: dict[tuple[int | None, torch.dtype | None], list[AttnBlock]] = {}
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (`rope.signed_sin`), (T, head_dim), of the query positions for that layer's RoPE."""
@@ -159,19 +161,24 @@ class RowPlan:
             self._rope[spec] = cos, signed_sin(sin)
         return self._rope[spec]
 
-    def blocks(self, layer: int) -> list[AttnBlock]:
+    def blocks(self, layer: int, dtype: torch.dtype | None = None) -> list[AttnBlock]:
         """`attend`'s blocks for that layer's window: each a run of queries, the keys its mask can reach
-        and that mask."""
+        and that mask: boolean, or with a dtype additive in it (`_low_attention` adds it to its scores:
+        adding a zero keeps a score's bits, and one pass over them costs a seventh of a broadcast
+        masked fill's)."""
         window = self.cfg.window(layer)
-        if window not in self._blocks:
+        if (window, dtype) not in self._blocks:
             q_pos, k_pos, out = self.q_pos, self.k_pos, []
             for s, e in _query_blocks(q_pos, window):
                 qp = q_pos[s:e]
                 lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window is not None else 0
                 hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
-                out.append((s, e, lo, hi, attention_mask(qp, k_pos[lo:hi], window)))
-            self._blocks[window] = out
-        return self._blocks[window]
+                mask = attention_mask(qp, k_pos[lo:hi], window)
+                if dtype is not None:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                out.append((s, e, lo, hi, mask))
+            self._blocks[window, dtype] = out
+        return self._blocks[window, dtype]
 
     def matches(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
         return _same(self.q_pos, q_pos) and _same(self.k_pos, k_pos)
@@ -237,8 +244,12 @@ class Decoder(nn.Module):
         (`plan`, if given, is pos's: its cos and sin are reused; `step`: the rows of a decoding step,
         whose products may run on another kernel, `PackedLinear.step`)."""
         attn = self.block(i).self_attn
-        qkv = _product(attn.qkv_proj, self.block(i).input_layernorm(h), step)
-        q, k, v = qkv.split((attn.q_size, attn.kv_size, attn.kv_size), -1)
+        x = self.block(i).input_layernorm(h)
+        if not step and isinstance(attn.qkv_proj, PackedLinear):  # a prefill's rows: q's part, then k and v's
+            q, kv = attn.qkv_proj.each(x)
+            k, v = kv.split(attn.kv_size, -1)
+        else:
+            q, k, v = _product(attn.qkv_proj, x, step).split((attn.q_size, attn.kv_size, attn.kv_size), -1)
         cos, sin = self._cos_sin(i, pos, plan)
         return (self._query(i, q, cos, sin), *self._key_value(i, k, v, cos, sin))
 
@@ -301,7 +312,7 @@ class Decoder(nn.Module):
         else:
             if plan is not None:
                 assert plan.q_pos.shape == q_pos.shape and plan.k_pos.shape == k_pos.shape, "a plan of other positions"
-            blocks = (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i)
+            blocks = (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i, self.attention_dtype)
             if low:  # the keys and values the blocks read rounded once, not once a block (they overlap)
                 low_dtype = cast(torch.dtype, self.attention_dtype)
                 first, end = min(b[2] for b in blocks), max(b[3] for b in blocks)
@@ -608,11 +619,12 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out + torch.bmm(probs[:, :, 2 * half :], v[:, 2 * half :]) if n % 2 else out
 
 
-def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
                    dtype: torch.dtype) -> torch.Tensor:
     """Masked attention (heads, Tq, D) whose two products run in dtype (bfloat16: oneDNN's avx512_bf16
-    or AMX kernels, 1.5-2x SDPA's float32 one here, docs/benchmarks.md). q is scaled before it is
-    rounded; the scores come back rounded to dtype (no float32 output on the CPU), softmax reads them
+    or AMX kernels, 1.5-2x SDPA's float32 one here, docs/benchmarks.md), under bias, the additive mask
+    (Tq, Tk) in dtype (`RowPlan.blocks`). q is scaled before it is
+    rounded; the scores come back rounded to dtype (no float32 output on the CPU), masked, softmax reads them
     and sums in float32 and rounds the probabilities to dtype (no float32 copy of the scores: the
     copies cost more than the products), the values are rounded to it, and the output stays in dtype:
     the output projection, which runs in it, reads it as it is (a float32 copy would round back to the
@@ -621,7 +633,7 @@ def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     group = heads // kv_heads
     qs = (q * scale).to(dtype).reshape(kv_heads, group * tq, d)
     scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1)
-    probs = torch.softmax(scores.masked_fill_(mask.logical_not(), float("-inf")), -1)
+    probs = torch.softmax(scores.add_(bias), -1)
     return torch.bmm(probs.view(kv_heads, group * tq, -1), v.to(dtype)).view(heads, tq, d)
 
 

@@ -101,12 +101,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.linear_rows(x, 0, self.out_features)
-        # rows of a decoding step: `linear_rows`'s products without its reshapes and checks (a step
-        # makes 90 of these calls, and every operator call costs microseconds)
+        outs = self.each(x)
+        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+    def each(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's columns of `forward` for rows x (rows, in_features), not joined: `linear_rows`'s
+        products without its reshapes and checks (a step makes 90 of these calls, and every operator
+        call costs microseconds), and a prefill's q and its k and v without a copy of them all."""
         flat = x if x.dtype == self.dtype else x.to(self.dtype)
         flat = flat if flat.is_contiguous() else flat.contiguous()
-        outs = [self._product(flat, p, bias) for p, bias in zip(self.parts, self.biases, strict=True)]
-        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+        return [self._product(flat, p, bias) for p, bias in zip(self.parts, self.biases, strict=True)]
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         """The product for the rows (rows, in_features) of a decoding step: on the float16 copy where

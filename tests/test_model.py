@@ -249,17 +249,60 @@ def test_a_row_plan_changes_nothing(tiny_models, family: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_stacked_projections_split_back(tiny_models, family: str) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stacked_projections_split_back(tiny_models, family: str, precision: str) -> None:
     """The checkpoint's q, k and v (and gate and up) weights load stacked; the q alone and the k and v
-    alone (`query`, `key_value`) are the stacked product's parts."""
-    model = load_model(tiny_models[family][0]).model
+    alone (`query`, `key_value`) are the stacked product's parts, and a prefill's `project` (which runs
+    the parts without joining them) gives the joined product's columns bit for bit."""
+    from kvfuse.model import RowPlan
+
+    model = load_model(tiny_models[family][0], precision).model
     names = set(model.state_dict())
     assert any(n.endswith("self_attn.qkv_proj.weight") for n in names) and not any("q_proj" in n for n in names)
     h, pos = torch.randn(6, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2)), torch.arange(6)
     with torch.no_grad():
-        q, k, v = model.project(1, h, pos)
-        assert torch.allclose(model.query(1, h, pos), q, atol=1e-6)
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.key_value(1, h, pos), (k, v), strict=True))
+        for i in range(model.cfg.num_layers):
+            q, k, v = model.project(i, h, pos)
+            assert torch.equal(model.query(i, h, pos), q)
+            assert all(torch.equal(a, b) for a, b in zip(model.key_value(i, h, pos), (k, v), strict=True))
+            blk = model.block(i)
+            attn, (cos, sin) = blk.self_attn, RowPlan(model.cfg, pos).rope(i)
+            joined = attn.qkv_proj(blk.input_layernorm(h)).split((attn.q_size, attn.kv_size, attn.kv_size), -1)
+            assert torch.equal(model._query(i, joined[0], cos, sin), q)
+            assert all(torch.equal(a, b) for a, b in zip(model._key_value(i, *joined[1:], cos, sin), (k, v),
+                                                         strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_low_attentions_additive_masks_are_its_boolean_masks(tiny_models, family: str) -> None:
+    """bf16's prefill attention adds a bfloat16 mask (0 or -inf, `RowPlan.blocks` with a dtype) to its
+    scores: the same blocks as the boolean masks', and bit for bit the attention that fills the masked
+    scores with -inf instead, on a causal prefill and on sparse queries among more keys."""
+    from kvfuse.model import ATTN_BLOCK, RowPlan
+
+    model = load_model(tiny_models[family][0], "bf16").model
+    cfg, g, dt = model.cfg, torch.Generator().manual_seed(12), torch.bfloat16
+    n = ATTN_BLOCK + 44
+    k_pos = torch.arange(n)
+    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    for q_pos in (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values):
+        q = torch.randn(cfg.num_heads, len(q_pos), cfg.head_dim, generator=g)
+        plan = RowPlan(cfg, q_pos, k_pos)
+        for i in range(cfg.num_layers):
+            masks, biases = plan.blocks(i), plan.blocks(i, dt)
+            assert [b[:4] for b in masks] == [b[:4] for b in biases]
+            assert all(b[4].dtype == dt and torch.equal(b[4], torch.where(m[4], 0.0, float("-inf")).to(dt))
+                       for m, b in zip(masks, biases, strict=True))
+            parts = []  # the attention with the masked scores filled (the naive way)
+            for s, e, lo, hi, mask in masks:
+                group, tq = cfg.num_heads // cfg.num_kv_heads, e - s
+                qs = (q[:, s:e] * cfg.query_scale).to(dt).reshape(cfg.num_kv_heads, group * tq, -1)
+                scores = torch.bmm(qs, k[:, lo:hi].to(dt).transpose(1, 2)).view(cfg.num_kv_heads, group, tq, -1)
+                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+                parts.append(torch.bmm(probs.flatten(1, 2), v[:, lo:hi].to(dt)).view(cfg.num_heads, tq, -1))
+            want = torch.cat(parts, 1).transpose(0, 1).reshape(len(q_pos), -1)
+            assert torch.equal(model.attend(i, q, q_pos, k, v, k_pos, plan), want)
 
 
 def _attention_in_float64(cfg: ModelConfig, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
