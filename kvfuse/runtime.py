@@ -36,9 +36,9 @@ class Opened:
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
                 precision: str = "fp32", capacity: dict[str, int] | None = None,
-                remote: Remote | None = None, device: str = "cpu") -> Opened:
+                remote: Remote | None = None, device: str = "cpu", decodes: bool = True) -> Opened:
     """Load the checkpoint (default: Gemma 3 270M) at a precision on a device (`weights.check_device`),
-    with its store (and a shared Redis tier at `remote`) and tokenizer."""
+    with its store (and a shared Redis tier at `remote`) and tokenizer (`decodes`: as `Engine.load`)."""
     import torch
 
     from kvfuse.checkpoints import resolve_model_path
@@ -51,7 +51,7 @@ def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "au
     kv = None if kv_dtype == "auto" else getattr(torch, KV_DTYPES[kv_dtype])  # auto: the precision's own dtype
     tok = Tokenizer(path)  # first: parsing its file takes a few hundred MB for a moment, before the weights are in
     engine = Engine.load(path, store_dir=store, precision=precision, capacity=capacity, remote=remote, kv_dtype=kv,
-                         device=device)
+                         device=device, decodes=decodes)
     gguf = model is not None and Path(model).suffix.lower() == ".gguf"
     return Opened(engine, tok, path, Path(str(model)).stem if gguf else path.name)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvfuse.drafts import Context, DraftLength, cover, propose, space_mark, token_keys
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
+from kvfuse.engine.lmhead import GreedyHead
 from kvfuse.engine.sampling import SamplingParams
 
 
@@ -257,9 +258,10 @@ def test_vocab_pieces_reads_a_checkpoints_tokenizer_json(tmp_path) -> None:  # t
     assert vocab_pieces(tmp_path) is None  # unreadable: the same, with a warning
 
 
-def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Engine.load reads tokenizer.json's spellings into the scheduler's keys, over the whole vocabulary;
-    a table too short for the model's ids is refused."""
+    a table too short for the model's ids is refused. An engine that will not decode reads neither the
+    keys nor builds the greedy screen, which its first use would build."""
     import shutil
 
     from tokenizers import Tokenizer
@@ -277,3 +279,9 @@ def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_
     with pytest.raises(ValueError, match="each of the model's"):
         e.scheduler.draft_keys = keys[:10]
     assert Engine.load(root, precision="int8", self_check=False).scheduler.draft_keys is None  # int8 drafts nothing
+    built = []
+    real_build = GreedyHead.build
+    monkeypatch.setattr(GreedyHead, "build", lambda w: built.append(1) or real_build(w))
+    quiet = Engine.load(root, self_check=False, decodes=False)  # building caches only: no keys, no screen
+    assert quiet.scheduler.draft_keys is None and not built
+    assert quiet.greedy_head() is not None and len(built) == 1  # should it decode, the screen comes then

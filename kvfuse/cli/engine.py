@@ -125,7 +125,8 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device)
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device,
+                     decodes=False)
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)

@@ -85,7 +85,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32",
-            shared: Remote | None = None, device: str = "cpu") -> Any:
+            shared: Remote | None = None, device: str = "cpu", decodes: bool = True) -> Any:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
 
@@ -94,7 +94,7 @@ def open_kb(path: str, model: str | None, store: str | None, precision: str = "f
     except KBError as e:
         raise _fail(e) from None
     where = store_dir(store)
-    rt = open_engine(model, where, precision=precision, remote=shared, device=device)
+    rt = open_engine(model, where, precision=precision, remote=shared, device=device, decodes=decodes)
     return KnowledgeBase(rt.engine, rt.tok, manifest, state_dir=where)
 
 
@@ -112,7 +112,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
     if args.action == "stats":
         return _stats(args)
-    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args), args.device)
+    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args), args.device, decodes=False)
     try:
         report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
     except KBError as e:
