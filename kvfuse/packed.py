@@ -108,9 +108,13 @@ class PackedLinear(nn.Module):
         """Each part's columns of `forward` for rows x (rows, in_features), not joined: `linear_rows`'s
         products without its reshapes and checks (a step makes 90 of these calls, and every operator
         call costs microseconds), and a prefill's q and its k and v without a copy of them all."""
-        flat = x if x.dtype == self.dtype else x.to(self.dtype)
-        flat = flat if flat.is_contiguous() else flat.contiguous()
+        flat = self._rows(x)
         return [self._product(flat, p, bias) for p, bias in zip(self.parts, self.biases, strict=True)]
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x in the layer's dtype, contiguous, as the products read them (no copy where they are)."""
+        flat = x if x.dtype == self.dtype else x.to(self.dtype)
+        return flat if flat.is_contiguous() else flat.contiguous()
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         """The product for the rows (rows, in_features) of a decoding step: on the float16 copy where
@@ -132,8 +136,7 @@ class PackedLinear(nn.Module):
         result as it is. Against `forward`, then the activation and the product in float32: one rounding
         moves (after the activation instead of before), no float32 copies of the products are made, and
         a 715-row prefill's MLP takes 15 ms instead of 17-18 (Gemma 3 270M, docs/benchmarks.md, stop 54)."""
-        flat = x if x.dtype == self.dtype else x.to(self.dtype)
-        flat = flat if flat.is_contiguous() else flat.contiguous()
+        flat = self._rows(x)
         gate = _product(flat, self.parts[0], None, POST_OPS[activation])
         return gate.mul_(_product(flat, self.parts[1], None))
 

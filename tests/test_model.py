@@ -273,21 +273,29 @@ def test_stacked_projections_split_back(tiny_models, family: str, precision: str
                                                          strict=True))
 
 
+def _attention_cases(cfg: ModelConfig, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """(q, q_pos, k, v, k_pos) on ATTN_BLOCK + 44 keys: a causal prefill longer than a block, and sparse
+    queries among them (blend's)."""
+    from kvfuse.model import ATTN_BLOCK
+
+    g, n = torch.Generator().manual_seed(seed), ATTN_BLOCK + 44
+    k_pos = torch.arange(n)
+    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+    positions = (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values)
+    return [(torch.randn(cfg.num_heads, len(p), cfg.head_dim, generator=g), p, k, v, k_pos) for p in positions]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_low_attentions_additive_masks_are_its_boolean_masks(tiny_models, family: str) -> None:
     """bf16's prefill attention adds a bfloat16 mask (0 or -inf, `RowPlan.blocks` with a dtype) to its
     scores: the same blocks as the boolean masks', and bit for bit the attention that fills the masked
     scores with -inf instead, on a causal prefill and on sparse queries among more keys."""
-    from kvfuse.model import ATTN_BLOCK, RowPlan
+    from kvfuse.model import RowPlan
 
     model = load_model(tiny_models[family][0], "bf16").model
-    cfg, g, dt = model.cfg, torch.Generator().manual_seed(12), torch.bfloat16
-    n = ATTN_BLOCK + 44
-    k_pos = torch.arange(n)
-    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
-    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
-    for q_pos in (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values):
-        q = torch.randn(cfg.num_heads, len(q_pos), cfg.head_dim, generator=g)
+    cfg, dt = model.cfg, torch.bfloat16
+    for q, q_pos, k, v, k_pos in _attention_cases(cfg, seed=12):
         plan = RowPlan(cfg, q_pos, k_pos)
         for i in range(cfg.num_layers):
             masks, biases = plan.blocks(i), plan.blocks(i, dt)
@@ -323,17 +331,10 @@ def test_a_bf16_models_prefill_attention_runs_in_bfloat16_close_to_float64(tiny_
     causal prefill longer than ATTN_BLOCK and on sparse queries among more keys (blend), every layer's
     result (bfloat16, what the output projection reads) is the float64 oracle's within bfloat16
     rounding (fp32's within float32's), and not fp32's bit for bit (it really ran in bfloat16)."""
-    from kvfuse.model import ATTN_BLOCK
-
     models = {p: load_model(tiny_models[family][0], p).model for p in ("fp32", "bf16")}
     assert models["fp32"].attention_dtype is None and models["bf16"].attention_dtype == torch.bfloat16
-    cfg, g = models["fp32"].cfg, torch.Generator().manual_seed(11)
-    n = ATTN_BLOCK + 44
-    k_pos = torch.arange(n)
-    k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
-    v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
-    for q_pos in (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values):
-        q = torch.randn(cfg.num_heads, len(q_pos), cfg.head_dim, generator=g)
+    cfg = models["fp32"].cfg
+    for q, q_pos, k, v, k_pos in _attention_cases(cfg, seed=11):
         for i in range(cfg.num_layers):
             want = _attention_in_float64(cfg, i, q, q_pos, k, v, k_pos)
             exact = models["fp32"].attend(i, q, q_pos, k, v, k_pos)
