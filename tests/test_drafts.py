@@ -165,6 +165,33 @@ def test_greedy_with_drafts_equals_plain_greedy(engine_at, family: str, precisio
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_step_works_out_greedy_rows_only_up_to_the_first_rejected_draft_token(engine_at, precision: str,
+                                                                              monkeypatch) -> None:
+    """The rows after a draft's first wrong token are stepped but never read: their bounds and exact
+    candidates are not computed (each row read gives one token), and the answer is plain greedy's."""
+    e: Engine = engine_at("gemma3", precision)
+    r = Request(prefix=(1,) + rand_ids(5, 3) * 3, chunks=(rand_ids(7, 4),), suffix=rand_ids(4, 3))
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    e.precompute(r, "blend")
+    monkeypatch.setattr(e, "draft_tokens", 0)
+    plain = e.generate(r, "blend", 0.5, greedy)
+    monkeypatch.setattr(e, "draft_tokens", 6)
+    monkeypatch.setattr(e.scheduler, "draft_keys", np.arange(e.cfg.vocab_size) % 3)  # many wrong drafts
+    read: list[int] = []
+    real = GreedyHead.argmax_rows
+
+    def counted(head: GreedyHead, xs: torch.Tensor, *args, **kwargs) -> list[int]:  # type: ignore[no-untyped-def]
+        read.append(xs.shape[0])
+        return real(head, xs, *args, **kwargs)
+
+    monkeypatch.setattr(GreedyHead, "argmax_rows", counted)
+    g = e.generate(r, "blend", 0.5, greedy)
+    assert g.tokens == plain.tokens
+    assert g.drafts.drafted > g.drafts.accepted  # some drafted rows were rejected
+    assert set(read) == {1} and sum(read) == len(g.tokens)  # one row read per token taken, the first one's too
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_seeded_sampling_with_drafts_gets_the_tokens_it_gets_without(engine_at, family: str, precision: str,
                                                                      monkeypatch) -> None:

@@ -125,11 +125,12 @@ class GreedyHead:
             return ints * s, 2.0**-20
         return xf.to(torch.bfloat16).float(), 2.0**-8
 
-    def bounds_rows(self, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def bounds_rows(self, xs: torch.Tensor, approx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For normed hidden states xs (rows, hidden): the screen's logits a and their slack s (rows, vocab
         each), such that every float32 logit l lies in [a - s, a + s]. One screen serves all rows: the
-        int8 head is read once, and each row's numbers are its own (the input is rounded per row)."""
-        approx = self.screen(xs)
+        int8 head is read once, and each row's numbers are its own (the input is rounded per row), so
+        the bounds of some rows may be taken from a screen of more (`approx`: `screen(xs)`'s rows)."""
+        approx = self.screen(xs) if approx is None else approx
         xf = xs.float()
         read, out_rounding = self._read(xf)
         x_norm = xf.norm(dim=1, keepdim=True)

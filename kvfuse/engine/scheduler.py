@@ -172,25 +172,25 @@ class Scheduler:
         screened = [j for j, d in enumerate(live) if d.steps is None and greedy(d.params)]
         drawn = [j for j in plain if self.screen_samples and screened_sample(live[j].params)]
         head = self.greedy_head() if screened or drawn else None
-        chosen: dict[int, int] = {}  # row -> its token
+        chosen = _Chosen()  # a greedy row's token, found when the row is read
         bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> (x, a, s): a sampled row's
         if head is not None:  # one screen of the head for every row that reads it
             picked = [r for j in screened for r in spans[j]]
             sampled = [r for j in drawn for r in spans[j]]
             xs = self.model.norm(h[picked + sampled])
-            approx, slack = head.bounds_rows(xs)
+            approx = head.screen(xs)
             n = len(picked)
-            # only the argmax is needed for a greedy row: the screen finds it exactly (among what it allows)
-            allowed = [masks.get(r) for r in picked]
-            chosen = dict(zip(picked, head.argmax_rows(xs[:n], (approx[:n], slack[:n]), allowed), strict=True))
-            bounds = {r: (xs[n + i], approx[n + i], slack[n + i]) for i, r in enumerate(sampled)}
+            chosen = _Chosen(head, xs[:n], approx[:n], picked, [masks.get(r) for r in picked])
+            if sampled:
+                approx_s, slack_s = head.bounds_rows(xs[n:], approx[n:])
+                bounds = {r: (xs[n + i], approx_s[i], slack_s[i]) for i, r in enumerate(sampled)}
         for j, d in enumerate(live):
             try:
                 d.take_verified(self._verify(d, h, spans[j], drafts[j], chosen, bounds, head, masks), drafts[j])
             except Exception as e:  # this request's own failure (its sampling): the others go on
                 d.fail(e)
 
-    def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int], chosen: dict[int, int],
+    def _verify(self, d: Decoding, h: torch.Tensor, rows: range, draft: Sequence[int], chosen: _Chosen,
                 bounds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                 head: GreedyHead | None, masks: dict[int, torch.Tensor]) -> list[int]:
         """The tokens the rows choose, up to the first that differs from the draft. A row that was not
@@ -213,7 +213,7 @@ class Scheduler:
                 drawn = head.sample(x, (approx, slack), d.params, d.gen, [*d.tokens, *toks],
                                     self.model.cfg.final_softcap)
             if r in chosen:
-                tok = chosen[r]
+                tok = chosen.token(r)
             elif drawn is not None:
                 tok = drawn
             else:
@@ -229,6 +229,29 @@ class Scheduler:
             if i >= len(draft) or tok != draft[i]:
                 break
         return toks
+
+
+class _Chosen:
+    """The greedy rows of a step, each row's token the argmax the screen finds exactly (among what its mask
+    allows), worked out only when `_verify` reads the row: the rows after a draft's first rejected token
+    are never read, and their bounds and exact candidates are never computed. The step's one screen of
+    the int8 head (`approx`, every row's) is shared; the rest is each row's own arithmetic, the same
+    whichever rows are read (`GreedyHead.bounds_rows`)."""
+
+    def __init__(self, head: GreedyHead | None = None, xs: torch.Tensor | None = None,
+                 approx: torch.Tensor | None = None, rows: Sequence[int] = (),
+                 allowed: Sequence[torch.Tensor | None] = ()) -> None:
+        self.head, self.xs, self.approx, self.allowed = head, xs, approx, list(allowed)
+        self.at = {r: i for i, r in enumerate(rows)}  # step row -> its place in xs
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.at
+
+    def token(self, row: int) -> int:
+        i = self.at[row]
+        assert self.head is not None and self.xs is not None and self.approx is not None
+        x = self.xs[i : i + 1]
+        return self.head.argmax_rows(x, self.head.bounds_rows(x, self.approx[i : i + 1]), self.allowed[i : i + 1])[0]
 
 
 def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
