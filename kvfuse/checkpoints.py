@@ -28,6 +28,8 @@ import torch
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedModelError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvfuse.groups import Groups
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,9 @@ BLOCKS_FILE = "groups.blocks"  # (safetensors) a converted GGUF's own blocks, fo
 
 
 SOURCE_FILE = "source.json"  # the GGUF a checkpoint was converted from, where it was given by its path
+
+
+KEYS_FILE = "draft_keys.npz"  # the drafts' keys of tokenizer.json's vocabulary, kept beside it (`vocab_keys`)
 
 
 def cache_dir() -> Path:
@@ -117,6 +122,43 @@ def vocab_pieces(root: Path) -> list[str | None] | None:
     for piece, i in vocab.items():
         pieces[i] = piece
     return pieces
+
+
+def vocab_keys(root: Path) -> np.ndarray | None:
+    """`drafts.token_keys` of the checkpoint's vocabulary (`vocab_pieces`), or None where there is no
+    readable tokenizer.json. Reading Gemma 3's 262k spellings takes about 2 s, so the keys are kept
+    beside tokenizer.json (`KEYS_FILE`) with the xxh3 of the tokenizer.json and the keying rule
+    (`drafts.KEYS_RULE`) they were made from, and read from there while both match (a few
+    milliseconds); where the directory cannot be written they are made again at every load."""
+    import numpy as np
+    import xxhash
+
+    from kvfuse.drafts import KEYS_RULE, token_keys
+
+    try:
+        source = xxhash.xxh3_128_hexdigest((root / "tokenizer.json").read_bytes())
+    except OSError:
+        return None
+    kept = root / KEYS_FILE
+    try:
+        with np.load(kept, allow_pickle=False) as z:
+            if str(z["source"]) == source and int(z["rule"]) == KEYS_RULE:
+                return np.asarray(z["keys"], dtype=np.int64)
+    except Exception:  # noqa: BLE001 - none kept, or unreadable: made again below
+        pass
+    pieces = vocab_pieces(root)
+    if pieces is None:
+        return None
+    keys = token_keys(pieces)
+    tmp = kept.with_name(f".{KEYS_FILE}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, keys=keys, source=np.array(source), rule=np.array(KEYS_RULE))
+        os.replace(tmp, kept)
+    except OSError:  # a read-only checkpoint only means reading the spellings again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return keys
 
 
 def checkpoint_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig) -> BlockFile:

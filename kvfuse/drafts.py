@@ -28,6 +28,7 @@ import numpy as np
 MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried after it
 DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 rows: within a step's 8)
 SPACE_MARKS = ("\u2581", "\u0120")  # how SentencePiece ("▁") and byte-level BPE ("Ġ") spell a leading space
+KEYS_RULE = 2  # the version of `token_keys`' rule: keys kept on disk by an older one are made again
 
 
 def space_mark(pieces: Sequence[str | None]) -> str:

@@ -285,6 +285,46 @@ def test_vocab_pieces_reads_a_checkpoints_tokenizer_json(tmp_path) -> None:  # t
     assert vocab_pieces(tmp_path) is None  # unreadable: the same, with a warning
 
 
+def test_vocab_keys_are_kept_beside_tokenizer_json_and_made_again_when_it_changes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The keys are `token_keys(vocab_pieces(...))`: made once, then read from the kept file while the
+    tokenizer.json and the keying rule are those they were made from; a changed vocabulary, another
+    rule or an unreadable file makes them again, and a directory that cannot be written still gets them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    import kvfuse.checkpoints as ck
+    import kvfuse.drafts as drafts
+
+    def save(vocab: dict[str, int]) -> None:
+        Tokenizer(WordLevel(vocab, unk_token="I")).save(str(tmp_path / "tokenizer.json"))
+
+    assert ck.vocab_keys(tmp_path) is None  # no tokenizer.json
+    save({"I": 0, "\u2581I": 1, "\u2581was": 3})
+    real_pieces, reads = ck.vocab_pieces, []
+    monkeypatch.setattr(ck, "vocab_pieces", lambda root: reads.append(root) or real_pieces(root))
+    first = ck.vocab_keys(tmp_path)
+    assert first is not None and first.tolist() == token_keys(real_pieces(tmp_path)).tolist() == [0, 0, 2, 3]
+    assert (tmp_path / ck.KEYS_FILE).is_file() and len(reads) == 1
+    again = ck.vocab_keys(tmp_path)
+    assert again is not None and again.tolist() == first.tolist() and len(reads) == 1  # read from the kept file
+    save({"was": 0, "\u2581was": 1, "I": 2, "\u2581I": 3})  # another vocabulary: not the kept keys
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2] and len(reads) == 2  # type: ignore[union-attr]
+    monkeypatch.setattr(drafts, "KEYS_RULE", drafts.KEYS_RULE + 1)  # another rule: made again
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2] and len(reads) == 3  # type: ignore[union-attr]
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2] and len(reads) == 3  # type: ignore[union-attr]
+    (tmp_path / ck.KEYS_FILE).write_bytes(b"not a zip")  # unreadable: made again, and kept again
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2] and len(reads) == 4  # type: ignore[union-attr]
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2] and len(reads) == 4  # type: ignore[union-attr]
+
+    def refuse(*args: object) -> None:
+        raise OSError("read-only")
+
+    (tmp_path / ck.KEYS_FILE).unlink()
+    monkeypatch.setattr(ck.os, "replace", refuse)  # the directory cannot be written: keys all the same
+    assert ck.vocab_keys(tmp_path).tolist() == [0, 0, 2, 2]  # type: ignore[union-attr]
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # nothing kept, nothing left behind
+
+
 def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Engine.load reads tokenizer.json's spellings into the scheduler's keys, over the whole vocabulary;
     a table too short for the model's ids is refused. An engine that will not decode reads neither the

@@ -109,22 +109,21 @@ class Engine:
         `remote`; `capacity`: bytes per tier name), run the self-check, key its drafts by the
         checkpoint's vocabulary (`drafts.token_keys`) and build its greedy screen (`lmhead.GreedyHead`).
         An engine that will not decode (`decodes=False`: building a knowledge base's caches) skips the
-        last two, about 4 s on Gemma 3; should it decode after all, its screen is built at first use and
-        its drafts match tokens as they are."""
-        from kvfuse.checkpoints import resolve_model_path, vocab_pieces
-        from kvfuse.drafts import cover, token_keys
+        last two (on Gemma 3 about 3 s, and 2 s more where its keys are not yet kept: `vocab_keys`);
+        should it decode after all, its screen is built at first use and its drafts match tokens as
+        they are."""
+        from kvfuse.checkpoints import resolve_model_path, vocab_keys
+        from kvfuse.drafts import cover
         from kvfuse.heap import return_freed_memory
         from kvfuse.store import open_store
         from kvfuse.weights import check_device, load_model
 
         # drafts match a token with or without its leading space, where they run (`Scheduler.drafts_pay`):
-        # the vocabulary's spellings are read before the weights, and the heap they took (about 350 MB
-        # on Gemma 3) is handed back
+        # the keys are read before the weights (kept beside tokenizer.json after the first load), and the
+        # heap that reading the vocabulary's spellings took (about 350 MB on Gemma 3) is handed back
         keys = None
         if decodes and precision in SCREENED and check_device(device, precision).type == "cpu":
-            pieces = vocab_pieces(resolve_model_path(path))
-            keys = None if pieces is None else token_keys(pieces)
-            del pieces
+            keys = vocab_keys(resolve_model_path(path))
             return_freed_memory()
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
