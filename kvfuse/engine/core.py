@@ -114,17 +114,15 @@ class Engine:
         they are."""
         from kvfuse.checkpoints import resolve_model_path, vocab_keys
         from kvfuse.drafts import cover
-        from kvfuse.heap import return_freed_memory
         from kvfuse.store import open_store
         from kvfuse.weights import check_device, load_model
 
         # drafts match a token with or without its leading space, where they run (`Scheduler.drafts_pay`):
-        # the keys are read before the weights (kept beside tokenizer.json after the first load), and the
-        # heap that reading the vocabulary's spellings took (about 350 MB on Gemma 3) is handed back
+        # the keys are read before the weights (kept beside tokenizer.json after the first load; where
+        # they are made, `vocab_keys` hands back the heap that reading the spellings took)
         keys = None
         if decodes and precision in SCREENED and check_device(device, precision).type == "cpu":
             keys = vocab_keys(resolve_model_path(path))
-            return_freed_memory()
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]

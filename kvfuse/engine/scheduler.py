@@ -180,7 +180,7 @@ class Scheduler:
             xs = self.model.norm(h[picked + sampled])
             approx = head.screen(xs)
             n = len(picked)
-            chosen = _Chosen(head, xs[:n], approx[:n], picked, [masks.get(r) for r in picked])
+            chosen = _Chosen(head, xs[:n], approx[:n], picked, masks)
             if sampled:
                 approx_s, slack_s = head.bounds_rows(xs[n:], approx[n:])
                 bounds = {r: (xs[n + i], approx_s[i], slack_s[i]) for i, r in enumerate(sampled)}
@@ -233,15 +233,15 @@ class Scheduler:
 
 class _Chosen:
     """The greedy rows of a step, each row's token the argmax the screen finds exactly (among what its mask
-    allows), worked out only when `_verify` reads the row: the rows after a draft's first rejected token
+    in `masks` allows), worked out only when `_verify` reads the row: the rows after a draft's first rejected token
     are never read, and their bounds and exact candidates are never computed. The step's one screen of
     the int8 head (`approx`, every row's) is shared; the rest is each row's own arithmetic, the same
     whichever rows are read (`GreedyHead.bounds_rows`)."""
 
     def __init__(self, head: GreedyHead | None = None, xs: torch.Tensor | None = None,
                  approx: torch.Tensor | None = None, rows: Sequence[int] = (),
-                 allowed: Sequence[torch.Tensor | None] = ()) -> None:
-        self.head, self.xs, self.approx, self.allowed = head, xs, approx, list(allowed)
+                 masks: dict[int, torch.Tensor] | None = None) -> None:
+        self.head, self.xs, self.approx, self.masks = head, xs, approx, masks or {}
         self.at = {r: i for i, r in enumerate(rows)}  # step row -> its place in xs
 
     def __contains__(self, row: int) -> bool:
@@ -251,7 +251,7 @@ class _Chosen:
         i = self.at[row]
         assert self.head is not None and self.xs is not None and self.approx is not None
         x = self.xs[i : i + 1]
-        return self.head.argmax_rows(x, self.head.bounds_rows(x, self.approx[i : i + 1]), self.allowed[i : i + 1])[0]
+        return self.head.argmax_rows(x, self.head.bounds_rows(x, self.approx[i : i + 1]), [self.masks.get(row)])[0]
 
 
 def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
