@@ -28,7 +28,7 @@ def model(request):  # type: ignore[no-untyped-def]
 
 
 def _control_ids(tok: Tokenizer) -> set[int]:
-    return {int(i) for i in tok._tok.all_special_ids} | {int(i) for i, t in tok._tok.added_tokens_decoder.items()
+    return {int(i) for i in tok.hf.all_special_ids} | {int(i) for i, t in tok.hf.added_tokens_decoder.items()
                                                         if t.special}
 
 

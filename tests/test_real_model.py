@@ -283,12 +283,13 @@ def test_real_int8_load_never_holds_the_float_checkpoint(real) -> None:  # type:
 
 @pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m-instruct"])
 def test_real_tokenizer_reads_what_the_models_own_class_reads(name: str) -> None:
-    """`Tokenizer` reads tokenizer.json with the generic fast class (Gemma's own class rebuilds its
-    vocabulary in Python first, 150 MB more); the oracle is transformers' AutoTokenizer."""
+    """`Tokenizer` reads tokenizer.json with the `tokenizers` library, without transformers (which it
+    loads only for a Jinja template); the oracle is transformers' AutoTokenizer."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name)
     ours, oracle = Tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert ours._hf is None  # read without transformers
     case = _cases()[3]
     text = "\n\n".join(c["text"] for c in case["ctxs"]) + " Ünïcödé 日本語 emoji 🙂\t  tabs  and  spaces \n"
     ids = oracle.encode(text, add_special_tokens=False)
@@ -297,6 +298,12 @@ def test_real_tokenizer_reads_what_the_models_own_class_reads(name: str) -> None
     want = oracle(text, add_special_tokens=False, return_offsets_mapping=True)
     assert got_ids == ids and spans == [tuple(s) for s in want["offset_mapping"]]
     assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    marked = oracle.eos_token + text[:300] + oracle.bos_token + " <end_of_turn> <|im_start|>user\n"
+    assert ours.encode(marked) == oracle.encode(marked, add_special_tokens=False, split_special_tokens=True)
+    assert ours.encode_markup(marked) == oracle.encode(marked, add_special_tokens=False)
+    assert ours.encode_markup(marked) != ours.encode(marked)  # the markup's control tokens are tokens
+    with_controls = oracle.encode(marked, add_special_tokens=False)
+    assert ours.decode(with_controls) == oracle.decode(with_controls, skip_special_tokens=True)
     assert ours.bos_id == oracle.bos_token_id
     assert [ours.token_text(i) for i in ids[:200]] == oracle.convert_ids_to_tokens(ids[:200])
     assert ours.chat_template == (oracle.chat_template or None)

@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,3 +78,46 @@ def test_an_answer_that_starts_with_a_newline_is_kept() -> None:
     assert done.text == "30 days." and done.stopped
     unended = complete_answer(iter(TOK.encode("\n30 days")), TOK)
     assert unended.text == "30 days" and not unended.stopped  # ran out of tokens: no stop string
+
+
+def _tiny_tokenizer(root, config: dict) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "hi", "there", "<", "s", ">", "/", "turn", "!", "ok"])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.add_tokens([AddedToken("<turn>", special=False)])
+    root.mkdir()
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("config", [
+    {"bos_token": "<s>", "eos_token": "</s>"},  # read by `tokenizers` alone
+    {"bos_token": "<s>", "additional_special_tokens": ["<turn>"]},  # transformers marks <turn> special
+    {"bos_token": "<s>", "clean_up_tokenization_spaces": True},  # transformers cleans decoded spaces
+])
+def test_tokenizer_reads_as_transformers_does(tmp_path, config: dict) -> None:  # type: ignore[no-untyped-def]
+    """`Tokenizer` reads tokenizer.json itself where transformers would read it as it is, and leaves the
+    rest to transformers; either way its ids, text and BOS are transformers' (the oracle)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kvfuse.text.tokenizer import Tokenizer
+
+    _tiny_tokenizer(tmp_path / "tok", config)
+    ours, oracle = Tokenizer(tmp_path / "tok"), PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok"))
+    text = "<s> hi there ! <turn> ok </s> hi"
+    assert ours.encode(text) == oracle.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert ours.encode_markup(text) == oracle.encode(text, add_special_tokens=False)
+    ids = ours.encode_markup(text)
+    assert ours.encode_markup(text) != ours.encode(text)
+    assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    assert ours.encode_offsets(text)[1] == [tuple(s) for s in oracle(
+        text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)["offset_mapping"]]
+    assert ours.bos_id == oracle.bos_token_id == 10
+    assert (ours._hf is None) == (config == {"bos_token": "<s>", "eos_token": "</s>"})
