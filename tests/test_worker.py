@@ -5,6 +5,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from kvfuse.server.worker import Worker
 
 
@@ -267,3 +269,22 @@ def test_retry_after_is_the_time_until_a_slot_frees() -> None:
     finally:
         worker.close()
     assert waited <= 1.2 and 1 <= retry <= 2  # draining the queue would take 3.2 s
+
+
+def test_on_passing_thread_returns_from_a_thread_that_has_ended_and_raises_what_it_raised() -> None:
+    from kvfuse.server.worker import on_passing_thread
+
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 42
+
+    assert on_passing_thread(work) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def refuse() -> int:
+        raise SystemExit("kvfuse: bad flag")
+
+    with pytest.raises(SystemExit, match="bad flag"):
+        on_passing_thread(refuse)

@@ -38,6 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The server's state: its engine, tokenizer, knowledge bases and worker, built on a thread that
+    ends, so that the model thread's is the process's only OpenMP team (`worker.on_passing_thread`)."""
+    from kvfuse.server.worker import on_passing_thread
+
+    return on_passing_thread(lambda: _build_state(args))
+
+
+def _build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
     from kvfuse.runtime import attach_controller, open_engine, store_dir

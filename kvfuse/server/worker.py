@@ -28,10 +28,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 Emit = Callable[[str, Any], None]
 JobFn = Callable[[threading.Event, Emit], Any]
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -76,6 +77,34 @@ class Job:
             yield kind, value
             if kind in ("done", "error"):
                 return
+
+
+def on_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread of its own that ends when fn returns (its exception re-raised here).
+
+    torch's CPU kernels run on OpenMP, which gives every thread that starts parallel work a team of
+    its own, kept while that thread lives. GNU OpenMP (torch's) lets a team's idle threads spin
+    between parallel regions only while the process has no more such threads than cores; past that
+    they sleep after each region and are woken for the next, thousands of times a prefill. A server
+    that loaded its model on the main thread and then computed on its model thread had two teams on
+    a 2-core machine: a RAG prompt's prefill took 0.98-1.03 s there against 0.82-0.84 s on one
+    thread (7,000 sleeps a prefill against none; docs/benchmarks.md, stop 56). So the server loads
+    on a thread that ends, whose team ends with it, and the model thread's is the only one left."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller, whatever it is
+            err.append(e)
+
+    t = threading.Thread(target=run, name="kvfuse-load", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
 
 
 DEFAULT_MAX_ITL_FACTOR = 1.5  # while a newcomer prefills, a running stream steps at least every 1.5 usual steps
