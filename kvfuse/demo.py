@@ -45,7 +45,7 @@ def run_demo(model: str | None = None, store: str | None = None, precision: str 
 
     print("Loading the model (the first run converts Gemma 3 270M once)...", flush=True)
     where = store_dir(store)
-    rt = open_engine(model, where, precision=precision, device=device)
+    rt = open_engine(model, where, precision=precision, device=device, decodes="few")  # two answers
     engine, tok = rt.engine, rt.tok
     kb = open_kb("albaran", rt, where)
     r = kb.build(GROUP, progress=True)

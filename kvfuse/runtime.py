@@ -36,7 +36,7 @@ class Opened:
 
 def open_engine(model: str | None, store: str | Path | None, kv_dtype: str = "auto",
                 precision: str = "fp32", capacity: dict[str, int] | None = None,
-                remote: Remote | None = None, device: str = "cpu", decodes: bool = True) -> Opened:
+                remote: Remote | None = None, device: str = "cpu", decodes: str = "many") -> Opened:
     """Load the checkpoint (default: Gemma 3 270M) at a precision on a device (`weights.check_device`),
     with its store (and a shared Redis tier at `remote`) and tokenizer (`decodes`: as `Engine.load`)."""
     import torch

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvfuse.drafts import Context, DraftLength, cover, propose, space_mark, token_keys
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, step_hidden, step_rows
-from kvfuse.engine.lmhead import GreedyHead
+from kvfuse.engine.lmhead import BRIEF_SCREEN, GreedyHead, default_screen
 from kvfuse.engine.sampling import SamplingParams
 
 
@@ -346,9 +346,16 @@ def test_engine_load_keys_drafts_by_the_checkpoints_vocabulary(tiny_models, tmp_
     with pytest.raises(ValueError, match="each of the model's"):
         e.scheduler.draft_keys = keys[:10]
     assert Engine.load(root, precision="int8", self_check=False).scheduler.draft_keys is None  # int8 drafts nothing
-    built = []
+    built: list[str | None] = []
     real_build = GreedyHead.build
-    monkeypatch.setattr(GreedyHead, "build", lambda w: built.append(1) or real_build(w))
-    quiet = Engine.load(root, self_check=False, decodes=False)  # building caches only: no keys, no screen
+    monkeypatch.setattr(GreedyHead, "build", lambda w, kernel=None: built.append(kernel) or real_build(w, kernel))
+    quiet = Engine.load(root, self_check=False, decodes="none")  # building caches only: no keys, no screen
     assert quiet.scheduler.draft_keys is None and not built
     assert quiet.greedy_head() is not None and len(built) == 1  # should it decode, the screen comes then
+    # a command that answers once builds the screen that needs no packing; a server, the fastest a step
+    assert e.greedy_head().kernel == default_screen() and quiet.greedy_head().kernel == default_screen()
+    brief = Engine.load(root, self_check=False, decodes="few")
+    assert brief.greedy_head().kernel == BRIEF_SCREEN and built[-1] == BRIEF_SCREEN
+    assert brief.scheduler.draft_keys is not None
+    with pytest.raises(ValueError, match="decodes must be one of none, few, many"):
+        Engine.load(root, self_check=False, decodes="always")

@@ -138,7 +138,7 @@ def test_a_fresh_engine_builds_no_screen_inside_a_one_token_request(tiny_models,
 
     built: list[int] = []
     real = GreedyHead.build
-    monkeypatch.setattr(GreedyHead, "build", staticmethod(lambda w: built.append(1) or real(w)))
+    monkeypatch.setattr(GreedyHead, "build", staticmethod(lambda w, kernel=None: built.append(1) or real(w, kernel)))
     lm = load_model(tiny_models["llama"][0])
     e = Engine(lm.model, lm.fingerprint, self_check=False)
     req = Request(prefix=(1, 5, 9, 13, 17), suffix=(21, 25))

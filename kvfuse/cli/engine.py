@@ -80,7 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise fail(e) from None
     where = store_dir(args.store, args.no_store)
-    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device)
+    rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device,
+                     decodes="few")
     engine, tok = rt.engine, rt.tok
     attach_controller(engine, where, FUSERS[args.mode].takes_ratio, args.floor)
     req = prompt.request(tok, prefix_mode=args.mode == "prefix")
@@ -126,7 +127,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     texts = [read(f, "--chunk-file") for f in args.chunk_file]
     where = store_dir(args.store, args.no_store)
     rt = open_engine(args.model, where, args.kv_dtype, args.precision, remote=remote(args), device=args.device,
-                     decodes=False)
+                     decodes="none")
     req = Prompt(chunks=tuple(texts), question="-").request(rt.tok)
     t0, computed = time.perf_counter(), 0
     # behind what the default mode's caches are computed behind (a copy of the chunk, for queryaware)

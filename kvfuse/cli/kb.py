@@ -85,7 +85,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def open_kb(path: str, model: str | None, store: str | None, precision: str = "fp32",
-            shared: Remote | None = None, device: str = "cpu", decodes: bool = True) -> Any:
+            shared: Remote | None = None, device: str = "cpu", decodes: str = "many") -> Any:
     from kvfuse.kb.base import KnowledgeBase
     from kvfuse.kb.manifest import KBError, load_manifest
 
@@ -112,7 +112,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
 
     if args.action == "stats":
         return _stats(args)
-    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args), args.device, decodes=False)
+    kb = open_kb(args.dir, args.model, args.store, args.precision, remote(args), args.device, decodes="none")
     try:
         report = kb.build(_group(kb, args.group), args.tenant, progress=not args.quiet)
     except KBError as e:
@@ -200,7 +200,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         except RetrievalIndexError as e:
             raise _fail(e) from None
     schema = _schema(args.json_schema) if args.json_schema else None
-    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args), args.device)
+    kb = open_kb(args.kb, args.model, args.store, args.precision, remote(args), args.device, decodes="few")
     group = _group(kb, args.group)
     try:
         chunks = [h.chunk for h in index.search(args.question, args.top_k, args.retriever, group)] if index else []

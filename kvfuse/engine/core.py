@@ -39,6 +39,7 @@ from kvfuse.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 SCREENED = ("fp32", "bf16", "groups")  # precisions whose LM head is float32: greedy steps screen it
+DECODES = ("none", "few", "many")  # how much a loaded engine will decode (`Engine.load`)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -101,35 +102,42 @@ class Engine:
     def load(
         cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
         capacity: Mapping[str, int] | None = None, remote: Remote | None = None, device: str = "cpu",
-        decodes: bool = True, **kwargs: object
+        decodes: str = "many", **kwargs: object
     ) -> Engine:
         """Load a checkpoint (default: Gemma 3 270M) at a precision (`precision.PRECISIONS`) on a device
         (the CPU, or an accelerator such as "cuda": the engine computes there, the store stays in host
         memory and on disk), open its store (memory, plus disk at store_dir, plus a shared Redis at
         `remote`; `capacity`: bytes per tier name), run the self-check, key its drafts by the
         checkpoint's vocabulary (`drafts.token_keys`) and build its greedy screen (`lmhead.GreedyHead`).
-        An engine that will not decode (`decodes=False`: building a knowledge base's caches) skips the
-        last two (on Gemma 3 about 3 s, and 2 s more where its keys are not yet kept: `vocab_keys`);
-        should it decode after all, its screen is built at first use and its drafts match tokens as
-        they are."""
+        `decodes` says how much it will decode (`DECODES`): "many" (a server, an eval) builds the screen
+        on the kernel that steps fastest here; "few" (a command that answers a question or two and
+        exits) on one that builds in a fifth of the time (`lmhead.BRIEF_SCREEN`: 2 s less on Gemma 3,
+        4-8 ms more a step); "none" (building a knowledge base's caches) skips the keys and the screen
+        (on Gemma 3 about 3 s, and 2 s more where its keys are not yet kept: `vocab_keys`); should it
+        decode after all, its screen is built at first use and its drafts match tokens as they are."""
         from kvfuse.checkpoints import resolve_model_path, vocab_keys
         from kvfuse.drafts import cover
+        from kvfuse.engine.lmhead import BRIEF_SCREEN
         from kvfuse.store import open_store
         from kvfuse.weights import check_device, load_model
+
+        if decodes not in DECODES:
+            raise ValueError(f"decodes must be one of {', '.join(DECODES)}, got {decodes!r}")
 
         # drafts match a token with or without its leading space, where they run (`Scheduler.drafts_pay`):
         # the keys are read before the weights (kept beside tokenizer.json after the first load; where
         # they are made, `vocab_keys` hands back the heap that reading the spellings took)
         keys = None
-        if decodes and precision in SCREENED and check_device(device, precision).type == "cpu":
+        if decodes != "none" and precision in SCREENED and check_device(device, precision).type == "cpu":
             keys = vocab_keys(resolve_model_path(path))
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
         engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
         engine.scheduler.draft_keys = None if keys is None else cover(keys, engine.cfg.vocab_size)
+        engine.scheduler.screen_kernel = BRIEF_SCREEN if decodes == "few" else None
         # the greedy screen now, not in the first request's first step: that request would wait for it
         # (about 3 s on Gemma 3), and its temporaries (about 0.6 GB) would come on top of the caches
-        if decodes:
+        if decodes != "none":
             engine.greedy_head()
         return engine
 

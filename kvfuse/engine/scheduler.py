@@ -62,6 +62,7 @@ class Scheduler:
         self.model = model
         self._screen = functools.cache(screen)  # the model's precision and device do not change
         self.greedy_screen = greedy_screen  # greedy steps screen the LM head in int8 (see lmhead.py)
+        self.screen_kernel: str | None = None  # the screen's kernel (`lmhead.SCREENS`; None: the fastest a step)
         self.screen_samples = True  # sampled steps at low temperatures draw through the screen too
         self.draft_tokens = draft_tokens
         self._draft_keys: np.ndarray | None = None  # drafts match n-grams on these keys (`drafts.token_keys`)
@@ -85,7 +86,7 @@ class Scheduler:
         it first; None: not used)."""
         if self._greedy_head is False:
             use = self.greedy_screen and self._screen()
-            self._greedy_head = GreedyHead.build(self.model.head_weight()) if use else None
+            self._greedy_head = GreedyHead.build(self.model.head_weight(), self.screen_kernel) if use else None
         return self._greedy_head  # type: ignore[return-value]
 
     def batch_limit(self) -> int:
