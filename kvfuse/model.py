@@ -38,7 +38,7 @@ AttnBlock = tuple[int, int, int, int, torch.Tensor]
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_offset: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) - weight_offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))  # no arithmetic: see `_normal`
         self.eps, self.offset = eps, weight_offset
         self._scale: tuple[tuple[object, ...], torch.Tensor] | None = None
 
@@ -205,11 +205,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
+def _normal(*shape: int) -> torch.Tensor:
+    """nn.Embedding's own initial weight, drawn only where there is memory to draw into: on the meta
+    device (`weights.load_model` builds the model there, then loads every weight) a normal draw goes
+    through torch's reference decompositions, whose first use imports torch._dynamo (1.6 s)."""
+    t = torch.empty(shape)
+    return t if t.is_meta else t.normal_()
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=_normal(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         if not cfg.tie_embeddings:

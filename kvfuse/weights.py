@@ -141,7 +141,7 @@ def _tensor_index(files: list[Path]) -> dict[str, tuple[Path, str]]:
 
 def _stacked_names(index: dict[str, tuple[Path, str]]) -> list[str]:
     """The model's names for the indexed tensors, once stacked (`stack_checkpoint`)."""
-    state = {name: torch.empty(0, device="meta") for name in index}
+    state = {name: torch.empty(0) for name in index}  # not meta: its cat would import torch._dynamo (1.6 s)
     stack_checkpoint(state)
     return list(state)
 

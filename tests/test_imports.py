@@ -198,3 +198,26 @@ def test_the_light_defaults_agree_with_the_registry() -> None:
 
     assert fuse.modes()[: len(defaults.BUILTIN_MODES)] == defaults.BUILTIN_MODES
     assert fuse.DEFAULT_MODE == defaults.DEFAULT_MODE in fuse.modes()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loading_an_engine_and_its_tokenizer_imports_neither_dynamo_nor_transformers(  # type: ignore[no-untyped-def]
+        tiny_models, tmp_path, precision) -> None:
+    """An engine's start reads weights into a model built on the meta device: arithmetic on meta tensors
+    goes through torch's reference decompositions, whose first use imports torch._dynamo (1.6 s of every
+    process's start). And the tokenizer is read by `tokenizers` itself, not through transformers (3 s)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_models["gemma3"][0], root)
+    Tokenizer(WordLevel({"a": 0, "\u2581a": 1}, unk_token="a")).save(str(root / "tokenizer.json"))
+    code = (f"import sys; from kvfuse.engine import Engine; from kvfuse.text.tokenizer import Tokenizer; "
+            f"Tokenizer({str(root)!r}); Engine.load({str(root)!r}, precision={precision!r}, decodes='few'); "
+            f"print([m for m in ('torch._dynamo', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
