@@ -72,3 +72,35 @@ def test_ask_prints_a_disputed_answer_as_disputed(docs) -> None:  # type: ignore
                                                       "not 14 days"]
     assert answer_lines("30 days.", []) == "30 days."
     assert answer_lines("14 days.", found, color=True).startswith("\033[1;33mDISPUTED: 14 days.\033[0m")
+
+
+def test_the_index_is_kept_on_disk_per_vocabulary_and_built_once(docs, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A process of its own (`kvfuse ask`) reads the conflict index another one built, where the tokenizer
+    names its vocabulary; another vocabulary cuts other passages, so it gets its own."""
+    import numpy as np
+
+    from kvfuse.kb import conflicts
+    from kvfuse.rag.index import Index
+
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path))
+    builds: list[int] = []
+    real = Index.build
+    monkeypatch.setattr(Index, "build", classmethod(lambda cls, *a, **k: builds.append(1) or real(*a, **k)))
+
+    class Named(CharTokenizer):
+        fingerprint = "vocab-a"
+
+    first = conflicts.kb_index(docs[:3], Named())
+    conflicts._INDEXES.clear()  # as a new process finds it
+    again = conflicts.kb_index(docs[:3], Named())
+    assert len(builds) == 1 and again is not first
+    assert [c.text for c in again.chunks] == [c.text for c in first.chunks]
+    assert np.array_equal(again.dense, first.dense)
+    assert again.search(REFUND, 3) == first.search(REFUND, 3)
+    conflicts._INDEXES.clear()
+    Named.fingerprint = "vocab-b"
+    conflicts.kb_index(docs[:3], Named())
+    assert len(builds) == 2 and len(list((tmp_path / "indexes").iterdir())) == 2
+    conflicts._INDEXES.clear()
+    conflicts.kb_index(docs[:3], CharTokenizer())  # a vocabulary without a name: memory only
+    assert len(builds) == 3 and len(list((tmp_path / "indexes").iterdir())) == 2

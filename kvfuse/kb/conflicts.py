@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 PASSAGES = 3  # the passages searched for a conflicting number
 PER_QUANTITY = 1  # conflicts reported for each quantity the answer states
+INDEX_CHUNKS = (128, 16)  # the index's passages: tokens each, tokens of overlap
 INDEXES_KEPT = 16  # indexes kept in memory (one per group and knowledge-base version), oldest dropped first
 _INDEXES: dict[str, Index] = {}  # by the documents' digest: built once per knowledge-base version
 _LOCK = threading.Lock()
@@ -100,17 +101,41 @@ def _sentences(text: str) -> list[tuple[int, int]]:
 
 
 def kb_index(docs: Sequence[Document], tok: object) -> Index:
-    """A hybrid index over the documents (built once for each set of texts, kept in memory)."""
-    from kvfuse.rag.index import Index, SourceDoc
-
+    """A hybrid index over the documents, built once for each set of texts and kept in memory, and on
+    disk where the tokenizer names its vocabulary (`Tokenizer.fingerprint`; the passages are cut in
+    its tokens): `kvfuse ask` is a process of its own, and embedding a knowledge base's passages took
+    3.6 s of its 16-19 (Albarán, stop 56)."""
     digest = hashlib.sha256("\0".join(f"{d.id}\0{d.title}\0{d.text}" for d in docs).encode()).hexdigest()
     with _LOCK:
         if digest not in _INDEXES:
-            _INDEXES[digest] = Index.build([SourceDoc(d.id, d.title, d.text, ()) for d in docs], tok,  # type: ignore[arg-type]
-                                           chunk_tokens=128, overlap=16)
+            _INDEXES[digest] = _kept_index(docs, tok, digest)
             while len(_INDEXES) > INDEXES_KEPT:  # edits make new versions: the oldest go
                 _INDEXES.pop(next(iter(_INDEXES)))
         return _INDEXES[digest]
+
+
+def _kept_index(docs: Sequence[Document], tok: object, digest: str) -> Index:
+    from kvfuse.checkpoints import cache_dir
+    from kvfuse.rag.dense import embedder
+    from kvfuse.rag.index import INDEX_FORMAT, Index, RetrievalIndexError, SourceDoc
+
+    vocab = getattr(tok, "fingerprint", None)
+    made = f"{digest}\0{vocab}\0{embedder()}\0{INDEX_FORMAT}\0{INDEX_CHUNKS}"
+    key = hashlib.sha256(made.encode()).hexdigest()[:24]
+    where = cache_dir() / "indexes" / f"conflicts-{key}" if isinstance(vocab, str) else None
+    if where is not None and where.is_dir():
+        try:
+            return Index.load(where)
+        except RetrievalIndexError:
+            pass  # damaged: built again below, and saved over it
+    index = Index.build([SourceDoc(d.id, d.title, d.text, ()) for d in docs], tok,  # type: ignore[arg-type]
+                        *INDEX_CHUNKS)
+    if where is not None:
+        try:
+            index.save(where)
+        except OSError:
+            pass  # a read-only cache: built again by the next process
+    return index
 
 
 # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, it agrees)

