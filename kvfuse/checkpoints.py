@@ -316,6 +316,31 @@ def gguf_architecture(file: Path) -> str:
         raise CheckpointError(f"{file} is not a GGUF file llama.cpp writes ({e})") from None
 
 
+def kept_check(name: str, key: str, check: Callable[[], int]) -> int:
+    """check()'s answer, kept in `<cache dir>/<name>.json` under key and read from there while the key is
+    the same; where the file cannot be read or written, check() runs again. For checks whose answer is
+    fixed by what the key names (the model, the software, the machine) and costs seconds to find."""
+    memo = cache_dir() / f"{name}.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), int):
+        return int(known[key])
+    value = check()
+    known[key] = value
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a read-only cache: checked again by the next process
+    return value
+
+
 def gguf_key(file: Path) -> str:
     """The file's content as a short key (xxh3-128), remembered by path, size and mtime so that a large
     file is hashed once, not at every start."""

@@ -16,6 +16,15 @@ DEFAULT_CAPACITY = {"memory": 4 << 30, "disk": 20 << 30}
 ANSWER_TOKENS = 48
 
 
+def cpu_name() -> str:
+    """The first CPU's model name in /proc/cpuinfo ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+
+
 def cpu_flags() -> frozenset[str]:
     """The first CPU's flags in /proc/cpuinfo (empty where there is none): what code paths and defaults
     are chosen by, at run time, since the machines vary."""

@@ -267,3 +267,30 @@ def test_wide_rows_over_many_keys_equal_stepping_one_token_at_a_time(gemma_wide,
         steps = e.model.logits(seq)
     assert torch.equal(rows, seq), (rows - seq).abs().max()
     assert torch.allclose(steps, full, atol=1e-3, rtol=1e-3), (steps - full).abs().max()
+
+
+def test_the_batch_checks_answer_is_kept_per_model_software_and_machine(tiny_models, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A loaded engine's batch check runs once per model, screen kernel, torch, CPU and thread count:
+    the next process (a CLI command is one) reads its answer; anything else that picks kernels checks
+    again, and a damaged file is checked over."""
+    from kvfuse.engine import scheduler
+
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path))
+    checks: list[int] = []
+    real = scheduler.batch_limit
+    monkeypatch.setattr(scheduler, "batch_limit", lambda *a, **k: checks.append(1) or real(*a, **k))
+    root = tiny_models["llama"][0]
+    first = Engine.load(root, self_check=False).decode_batch_limit()
+    assert checks == [1] and (tmp_path / "batch-limits.json").is_file()
+    assert Engine.load(root, self_check=False).decode_batch_limit() == first and checks == [1]
+    assert Engine.load(root, precision="bf16", self_check=False).decode_batch_limit() >= 1 and len(checks) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        Engine.load(root, self_check=False).decode_batch_limit()
+        assert len(checks) == 3
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "batch-limits.json").write_text("{not json")
+    assert Engine.load(root, self_check=False).decode_batch_limit() == first and len(checks) == 4
+    assert Engine.load(root, self_check=False).decode_batch_limit() == first and len(checks) == 4

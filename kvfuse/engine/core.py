@@ -135,6 +135,7 @@ class Engine:
         engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
         engine.scheduler.draft_keys = None if keys is None else cover(keys, engine.cfg.vocab_size)
         engine.scheduler.screen_kernel = BRIEF_SCREEN if decodes == "few" else None
+        engine.scheduler.batch_key = loaded.fingerprint  # the batch check's answer is kept per model (and machine)
         # the greedy screen now, not in the first request's first step: that request would wait for it
         # (about 3 s on Gemma 3), and its temporaries (about 0.6 GB) would come on top of the caches
         if decodes != "none":

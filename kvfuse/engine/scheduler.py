@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvfuse.checkpoints import kept_check
+from kvfuse.defaults import cpu_flags, cpu_name
 from kvfuse.drafts import DRAFT_TOKENS, Context, DraftLength
 from kvfuse.engine.decode import Decoding, Prefilled, Slot, batch_limit, step_rows
 from kvfuse.engine.lmhead import SAMPLE_MAX_T, GreedyHead
@@ -68,6 +70,7 @@ class Scheduler:
         self._draft_keys: np.ndarray | None = None  # drafts match n-grams on these keys (`drafts.token_keys`)
         self._greedy_head: GreedyHead | None | bool = False  # False: not built yet
         self._batch_limit: int | None = None  # batch_limit's checked answer
+        self.batch_key: str | None = None  # the model's fingerprint: the check's answer is kept on disk under it
 
     @property
     def draft_keys(self) -> np.ndarray | None:
@@ -93,10 +96,26 @@ class Scheduler:
         """How many rows one step may carry on this model and machine with every answer unchanged, up to
         MAX_DECODE_BATCH (checked once: about a second on Gemma 3 270M)."""
         if self._batch_limit is None:
-            with torch.inference_mode():
-                self._batch_limit = batch_limit(self.model, MAX_DECODE_BATCH, self.greedy_head())
+            def check() -> int:
+                with torch.inference_mode():
+                    return batch_limit(self.model, MAX_DECODE_BATCH, self.greedy_head())
+
+            if self.batch_key is None or self.model.device.type != "cpu":
+                self._batch_limit = check()
+            else:  # the answer is the kernels', so it is kept per model, software and machine
+                self._batch_limit = kept_check("batch-limits", self._machine_key(), check)
             log.info("decoding steps up to %d rows together", self._batch_limit)
         return self._batch_limit
+
+    def _machine_key(self) -> str:
+        """What picks the kernels of a step: the model and its precision (the fingerprint), the screen's
+        kernel, torch, the CPU and its flags, and the threads."""
+        import hashlib
+
+        head = self.greedy_head()
+        parts = (self.batch_key, head.kernel if head is not None else None, torch.__version__,
+                 cpu_name(), sorted(cpu_flags()), torch.get_num_threads(), MAX_DECODE_BATCH)
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
     def first_token(self, pre: Prefilled, params: SamplingParams, gen: torch.Generator | None,
                     record_logits: bool, constraint: TokenConstraint | None = None) -> int:
