@@ -69,8 +69,9 @@ def test_a_maximal_body_stalls_neither_a_stream_nor_health(tiny_models, tmp_path
     words = " ".join(f"policy{i} refunds" for i in range(18_000))  # ~350k characters of varied text
     body = json.dumps({"messages": [{"role": "user", "content": words}] * 15, "max_tokens": 1})
     assert len(body) < 7 << 20
+    state.engine.decode_batch_limit()  # checked (or read) before the stream, not in its first steps
     with ctx as url:
-        sent, done = threading.Event(), threading.Event()
+        streaming, sent, done = threading.Event(), threading.Event(), threading.Event()
         gaps: list[float] = []
         health: list[float] = []
         took: list[float] = []
@@ -84,6 +85,7 @@ def test_a_maximal_body_stalls_neither_a_stream_nor_health(tiny_models, tmp_path
                     if line.startswith("data: {") and last is not None and sent.is_set() and not done.is_set():
                         gaps.append(now - last)
                     last = now
+                    streaming.set()
 
         def poll() -> None:
             with httpx.Client(base_url=url, timeout=60) as h:
@@ -95,7 +97,7 @@ def test_a_maximal_body_stalls_neither_a_stream_nor_health(tiny_models, tmp_path
 
         def maximal() -> int:
             with httpx.Client(base_url=url, timeout=60) as h:
-                time.sleep(1.0)  # the stream is running (its first steps check the batch limit once)
+                assert streaming.wait(60)  # sent while the stream runs (400 steps of the tiny model)
                 t0 = time.perf_counter()
                 sent.set()
                 r = h.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})

@@ -70,6 +70,10 @@ def _build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                      capacity={"memory": args.memory_bytes, "disk": args.disk_bytes}, remote=remote(args),
                      device=args.device)
     attach_controller(rt.engine, store)  # ratio "auto" over HTTP; the profile is measured once and kept
+    # the grammar library compiles against transformers' tokenizer (`Tokenizer.hf`): read now, not on the
+    # planner thread at the first response_format, where loading transformers would hold the GIL for
+    # seconds while streams and /health wait
+    _ = rt.tok.hf
     kbs = {m.name: KnowledgeBase(rt.engine, rt.tok, m, state_dir=store) for m in manifests}
     if kbs:  # the conflict check's indexes, built beside the start rather than inside the first answer
         import threading

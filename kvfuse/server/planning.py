@@ -156,10 +156,12 @@ def _grammar(state: ServerState, body: CompletionRequest | ChatCompletionRequest
 
     try:
         grammar = grammar_for(body.response_format)
+        if grammar is None:
+            return None
         hf = getattr(state.tok, "hf", None)
-        if grammar is not None and hf is None:
+        if hf is None:
             raise ValueError("this server's tokenizer cannot compile a grammar; response_format needs an HF one")
-        return Grammar(hf, grammar) if grammar is not None else None
+        return Grammar(hf, grammar)
     except ValueError as e:
         raise ApiError(400, str(e), param="response_format", code="invalid_response_format") from None
 

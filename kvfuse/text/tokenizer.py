@@ -52,7 +52,7 @@ class Tokenizer:
         if self._rust is None:
             return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
         with self._lock:
-            return list(self._rust.encode(text, add_special_tokens=False).ids)
+            return list(self._one(text).ids)
 
     def encode_markup(self, markup: str) -> list[int]:
         """A template's own markup (turn markers, a stop marker): control tokens' spellings become them.
@@ -62,7 +62,7 @@ class Tokenizer:
         with self._lock:
             self._rust.encode_special_tokens = False
             try:
-                return list(self._rust.encode(markup, add_special_tokens=False).ids)
+                return list(self._one(markup).ids)
             finally:
                 self._rust.encode_special_tokens = True
 
@@ -72,8 +72,14 @@ class Tokenizer:
             enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
             return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
         with self._lock:
-            got = self._rust.encode(text, add_special_tokens=False)
+            got = self._one(text)
         return list(got.ids), [(int(a), int(b)) for a, b in got.offsets]
+
+    def _one(self, text: str) -> Any:
+        """One text's encoding. `encode_batch`, not `encode`: only the batch call lets go of the GIL while
+        it works (as transformers calls it), so a 6 MB body tokenised on the planner thread does not stop
+        the model thread's Python for seconds (test_a_maximal_body_stalls_neither_a_stream_nor_health)."""
+        return self._rust.encode_batch([text], add_special_tokens=False)[0]
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._rust is None:
