@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -124,6 +124,16 @@ def vocab_pieces(root: Path) -> list[str | None] | None:
     return pieces
 
 
+def vocab_digest(root: Path) -> str | None:
+    """The checkpoint's vocabulary as a short key: the xxh3-128 of its tokenizer.json (None without one)."""
+    import xxhash
+
+    try:
+        return xxhash.xxh3_128_hexdigest((root / "tokenizer.json").read_bytes())
+    except OSError:
+        return None
+
+
 def vocab_keys(root: Path) -> np.ndarray | None:
     """`drafts.token_keys` of the checkpoint's vocabulary (`vocab_pieces`), or None where there is no
     readable tokenizer.json. Reading Gemma 3's 262k spellings takes about 2 s, so the keys are kept
@@ -131,13 +141,11 @@ def vocab_keys(root: Path) -> np.ndarray | None:
     (`drafts.KEYS_RULE`) they were made from, and read from there while both match (a few
     milliseconds); where the directory cannot be written they are made again at every load."""
     import numpy as np
-    import xxhash
 
     from kvfuse.drafts import KEYS_RULE, token_keys
 
-    try:
-        source = xxhash.xxh3_128_hexdigest((root / "tokenizer.json").read_bytes())
-    except OSError:
+    source = vocab_digest(root)
+    if source is None:
         return None
     kept = root / KEYS_FILE
     try:
@@ -321,24 +329,33 @@ def kept_check(name: str, key: str, check: Callable[[], int]) -> int:
     the same; where the file cannot be read or written, check() runs again. For checks whose answer is
     fixed by what the key names (the model, the software, the machine) and costs seconds to find."""
     memo = cache_dir() / f"{name}.json"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
+    known = _read_memo(memo)
     if isinstance(known.get(key), int):
         return int(known[key])
     value = check()
     known[key] = value
+    _write_memo(memo, known)  # a read-only cache: checked again by the next process
+    return value
+
+
+def _read_memo(memo: Path) -> dict[str, Any]:
+    """A JSON object kept in the cache dir; {} where it is missing or unreadable."""
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_memo(memo: Path, known: dict[str, Any]) -> None:
+    """Replace the memo atomically; where the cache cannot be written, nothing is kept."""
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known))
         os.replace(tmp, memo)
     except OSError:
-        pass  # a read-only cache: checked again by the next process
-    return value
+        pass
 
 
 def gguf_key(file: Path) -> str:
@@ -348,10 +365,7 @@ def gguf_key(file: Path) -> str:
 
     st = file.stat()
     memo, stamp = cache_dir() / "models" / "gguf-keys.json", [st.st_size, st.st_mtime_ns]
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _read_memo(memo)
     entry = known.get(str(file.resolve()))
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return str(entry["key"])
@@ -361,13 +375,7 @@ def gguf_key(file: Path) -> str:
             h.update(block)
     key = h.hexdigest()[:24]
     known[str(file.resolve())] = {"stamp": stamp, "key": key}
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, memo)
-    except OSError:
-        pass  # a read-only cache only means hashing again next time
+    _write_memo(memo, known)  # a read-only cache only means hashing again next time
     return key
 
 

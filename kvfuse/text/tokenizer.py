@@ -88,14 +88,11 @@ class Tokenizer:
 
     @functools.cached_property
     def fingerprint(self) -> str | None:
-        """The vocabulary as a short key (xxh3-128 of tokenizer.json), for what is kept on disk per
+        """The vocabulary as a short key (`checkpoints.vocab_digest`), for what is kept on disk per
         vocabulary (`kb.conflicts.kb_index`); None without a tokenizer.json."""
-        import xxhash
+        from kvfuse.checkpoints import vocab_digest
 
-        try:
-            return xxhash.xxh3_128_hexdigest((self.path / "tokenizer.json").read_bytes())
-        except OSError:
-            return None
+        return vocab_digest(self.path)
 
     def token_text(self, token_id: int) -> str:
         if self._rust is None:
