@@ -284,10 +284,13 @@ class Decoder(nn.Module):
         return cos, signed_sin(sin)
 
     def _query(self, i: int, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Projected queries (T, heads*D) -> normed and rotated (heads, T, D)."""
+        """Projected queries (T, heads*D) -> normed and rotated (heads, T, D), a view of (T, heads, D) in
+        memory: the rows as the product wrote them, which the norm reads twice as fast as heads first, and
+        which `_low_attention` reads one query's heads after another (the values are the same either way:
+        each is a function of its own head vector)."""
         cfg, attn = self.cfg, self.block(i).self_attn
-        q = q.reshape(q.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        return rotate(attn.q_norm(q) if attn.q_norm is not None else q, cos, sin)
+        q = q.reshape(q.shape[0], cfg.num_heads, cfg.head_dim)
+        return rotate(attn.q_norm(q) if attn.q_norm is not None else q, cos[:, None], sin[:, None]).transpose(0, 1)
 
     def _key_value(self, i: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,21 +325,15 @@ class Decoder(nn.Module):
             if plan is not None:
                 assert plan.q_pos.shape == q_pos.shape and plan.k_pos.shape == k_pos.shape, "a plan of other positions"
             blocks = (plan or RowPlan(cfg, q_pos, k_pos)).blocks(i, self.attention_dtype)
-            if low:  # the keys and values the blocks read rounded once, not once a block (they overlap)
-                low_dtype = cast(torch.dtype, self.attention_dtype)
-                first, end = min(b[2] for b in blocks), max(b[3] for b in blocks)
-                kl, vl = k[:, first:end].to(low_dtype), v[:, first:end].to(low_dtype)
-                parts = [_low_attention(q[:, s:e], kl[:, lo - first : hi - first], vl[:, lo - first : hi - first],
-                                        mask, cfg.query_scale, low_dtype)
-                         for s, e, lo, hi, mask in blocks]
-            else:
-                parts = [
-                    F.scaled_dot_product_attention(
-                        q[None, :, s:e], k[None, :, lo:hi], v[None, :, lo:hi], attn_mask=mask[None, None],
-                        scale=cfg.query_scale, enable_gqa=True,
-                    )[0]
-                    for s, e, lo, hi, mask in blocks
-                ]
+            if low:
+                return _low_attention(q, k, v, blocks, cfg.query_scale, cast(torch.dtype, self.attention_dtype))
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[None, :, s:e], k[None, :, lo:hi], v[None, :, lo:hi], attn_mask=mask[None, None],
+                    scale=cfg.query_scale, enable_gqa=True,
+                )[0]
+                for s, e, lo, hi, mask in blocks
+            ]
             out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
@@ -628,22 +625,43 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out + torch.bmm(probs[:, :, 2 * half :], v[:, 2 * half :]) if n % 2 else out
 
 
-def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[AttnBlock], scale: float,
                    dtype: torch.dtype) -> torch.Tensor:
-    """Masked attention (heads, Tq, D) whose two products run in dtype (bfloat16: oneDNN's avx512_bf16
-    or AMX kernels, 1.5-2x SDPA's float32 one here, docs/benchmarks.md), under bias, the additive mask
-    (Tq, Tk) in dtype (`RowPlan.blocks`). q is scaled before it is
-    rounded; the scores come back rounded to dtype (no float32 output on the CPU), masked, softmax reads them
-    and sums in float32 and rounds the probabilities to dtype (no float32 copy of the scores: the
-    copies cost more than the products), the values are rounded to it, and the output stays in dtype:
-    the output projection, which runs in it, reads it as it is (a float32 copy would round back to the
-    same numbers)."""
-    kv_heads, (heads, tq, d) = k.shape[0], q.shape
+    """Masked attention of queries q (heads, Tq, D) over k, v (kv_heads, Tk, D) in `attend`'s blocks, whose
+    two products run in dtype (bfloat16: oneDNN's avx512_bf16 or AMX kernels, 1.5-2x SDPA's float32 one
+    here, docs/benchmarks.md) -> (Tq, heads*D) in dtype: the output projection, which runs in it, reads
+    it as it is (a float32 copy would round back to the same numbers).
+
+    q is scaled, then rounded to dtype once for all blocks, and so are the keys and values the blocks
+    read (they overlap). Each block's scores come back rounded to dtype (no float32 output on the CPU),
+    take its mask additively (`RowPlan.blocks`), and softmax reads them, sums in float32 and rounds the
+    probabilities to dtype (no float32 copy of the scores: the copies cost more than the products).
+
+    With one kv head (Gemma 3's) a block's rows are its queries' heads one query after another, so the
+    block is two plain matrix products: the keys read transposed where they lie (a batched product
+    copies them first, a third of a small block's time) and the output written straight into its rows
+    of the result, with no transpose; each row's arithmetic is the same in any order of the rows."""
+    (heads, tq, d), kv_heads = q.shape, k.shape[0]
+    first, end = min(b[2] for b in blocks), max(b[3] for b in blocks)
+    kl, vl = k[:, first:end].to(dtype), v[:, first:end].to(dtype)
+    if kv_heads == 1:
+        qs = (q.transpose(0, 1) * scale).to(dtype)  # (Tq, heads, D): contiguous from `Decoder._query`
+        out = torch.empty(tq, heads * d, dtype=dtype, device=q.device)
+        for s, e, lo, hi, mask in blocks:
+            scores = torch.mm(qs[s:e].reshape(-1, d), kl[0, lo - first : hi - first].T)
+            probs = torch.softmax(scores.view(e - s, heads, -1).add_(mask[:, None]), -1)
+            torch.mm(probs.view((e - s) * heads, -1), vl[0, lo - first : hi - first], out=out[s:e].view(-1, d))
+        return out
     group = heads // kv_heads
-    qs = (q * scale).to(dtype).reshape(kv_heads, group * tq, d)
-    scores = torch.bmm(qs, k.to(dtype).transpose(1, 2)).view(kv_heads, group, tq, -1)
-    probs = torch.softmax(scores.add_(bias), -1)
-    return torch.bmm(probs.view(kv_heads, group * tq, -1), v.to(dtype)).view(heads, tq, d)
+    parts = []
+    for s, e, lo, hi, mask in blocks:
+        qs = (q[:, s:e] * scale).to(dtype).reshape(kv_heads, group * (e - s), d)
+        scores = torch.bmm(qs, kl[:, lo - first : hi - first].transpose(1, 2)).view(kv_heads, group, e - s, -1)
+        probs = torch.softmax(scores.add_(mask), -1)
+        parts.append(torch.bmm(probs.view(kv_heads, group * (e - s), -1), vl[:, lo - first : hi - first])
+                     .view(heads, e - s, d))
+    out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    return out.transpose(0, 1).reshape(tq, heads * d)
 
 
 def _softcapped_attention(

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -287,15 +288,23 @@ def _attention_cases(cfg: ModelConfig, seed: int) -> list[tuple[torch.Tensor, ..
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_low_attentions_additive_masks_are_its_boolean_masks(tiny_models, family: str) -> None:
+@pytest.mark.parametrize("one_kv_head", [False, True])
+def test_a_low_attentions_additive_masks_are_its_boolean_masks(tiny_models, family: str, one_kv_head: bool) -> None:
     """bf16's prefill attention adds a bfloat16 mask (0 or -inf, `RowPlan.blocks` with a dtype) to its
     scores: the same blocks as the boolean masks', and bit for bit the attention that fills the masked
-    scores with -inf instead, on a causal prefill and on sparse queries among more keys."""
+    scores with -inf instead, batched by kv head (the naive way), on a causal prefill and on sparse
+    queries among more keys; with the model's kv heads, and with one (Gemma 3's: its own path, which
+    orders a block's rows by query, not by head), on queries laid out as `Decoder._query` returns them
+    and heads first."""
     from kvfuse.model import RowPlan
 
     model = load_model(tiny_models[family][0], "bf16").model
     cfg, dt = model.cfg, torch.bfloat16
-    for q, q_pos, k, v, k_pos in _attention_cases(cfg, seed=12):
+    if one_kv_head:
+        cfg = dataclasses.replace(cfg, num_kv_heads=1)
+    for n, (q, q_pos, k, v, k_pos) in enumerate(_attention_cases(cfg, seed=12)):
+        if n % 2:  # `_query`'s layout: (heads, T, D), a view of (T, heads, D)
+            q = q.transpose(0, 1).contiguous().transpose(0, 1)
         plan = RowPlan(cfg, q_pos, k_pos)
         for i in range(cfg.num_layers):
             masks, biases = plan.blocks(i), plan.blocks(i, dt)
