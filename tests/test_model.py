@@ -287,6 +287,33 @@ def _attention_cases(cfg: ModelConfig, seed: int) -> list[tuple[torch.Tensor, ..
     return [(torch.randn(cfg.num_heads, len(p), cfg.head_dim, generator=g), p, k, v, k_pos) for p in positions]
 
 
+def test_attention_blocks_of_sparse_queries_compute_few_masked_scores(tiny_models) -> None:
+    """A fused request's queries are a fifth of the positions. `attend`'s blocks cover them in order,
+    each reads the keys its queries can reach (a span of at most ATTN_BLOCK positions and, on a sliding
+    layer, one window before it), and on full-attention layers the scores a block computes but masks
+    are under a quarter of those it uses (blocks of ATTN_BLOCK queries spanning five times as many
+    positions masked three quarters as many); a contiguous prefill keeps blocks of ATTN_BLOCK queries."""
+    from kvfuse.model import ATTN_BLOCK, RowPlan, attention_mask
+
+    cfg = load_model(tiny_models["gemma3"][0]).model.cfg  # sliding and full-attention layers
+    n = 6 * ATTN_BLOCK
+    k_pos = torch.arange(n)
+    q_pos = torch.sort(torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 5]).values
+    assert {cfg.window(i) is None for i in range(cfg.num_layers)} == {True, False}
+    for i in range(cfg.num_layers):
+        blocks = RowPlan(cfg, q_pos, k_pos).blocks(i)
+        assert [b[0] for b in blocks] == [0, *(b[1] for b in blocks[:-1])] and blocks[-1][1] == len(q_pos)
+        used = sum(int(mask.sum()) for *_, mask in blocks)
+        computed = sum((e - s) * (hi - lo) for s, e, lo, hi, _ in blocks)
+        assert used == int(attention_mask(q_pos, k_pos, cfg.window(i)).sum())  # every score a query uses
+        if cfg.window(i) is None:
+            assert computed - used < used / 4, (i, computed, used)
+        else:  # (the tiny model's window is 6: a block reads its span's keys and one window before)
+            assert all(hi - lo <= ATTN_BLOCK + cfg.window(i) for _, _, lo, hi, _ in blocks)
+        contiguous = RowPlan(cfg, k_pos, k_pos).blocks(i)
+        assert [(s, e) for s, e, *_ in contiguous] == [(s, s + ATTN_BLOCK) for s in range(0, n, ATTN_BLOCK)]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("one_kv_head", [False, True])
 def test_a_low_attentions_additive_masks_are_its_boolean_masks(tiny_models, family: str, one_kv_head: bool) -> None:
