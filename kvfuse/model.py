@@ -640,35 +640,53 @@ def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Se
     it as it is (a float32 copy would round back to the same numbers).
 
     q is scaled, then rounded to dtype once for all blocks, and so are the keys and values the blocks
-    read (they overlap). Each block's scores come back rounded to dtype (no float32 output on the CPU),
-    take its mask additively (`RowPlan.blocks`), and softmax reads them, sums in float32 and rounds the
-    probabilities to dtype (no float32 copy of the scores: the copies cost more than the products).
+    read, once for each run of blocks whose keys overlap (a sliding layer's neighbours read a window in
+    common; a prompt's first and last rows around a fused middle read two runs far apart). Each block's
+    scores come back rounded to dtype (no float32 output on the CPU), take its mask additively
+    (`RowPlan.blocks`), and softmax reads them, sums in float32 and rounds the probabilities to dtype
+    (no float32 copy of the scores: the copies cost more than the products).
 
     With one kv head (Gemma 3's) a block's rows are its queries' heads one query after another, so the
     block is two plain matrix products: the keys read transposed where they lie (a batched product
     copies them first, a third of a small block's time) and the output written straight into its rows
     of the result, with no transpose; each row's arithmetic is the same in any order of the rows."""
     (heads, tq, d), kv_heads = q.shape, k.shape[0]
-    first, end = min(b[2] for b in blocks), max(b[3] for b in blocks)
-    kl, vl = k[:, first:end].to(dtype), v[:, first:end].to(dtype)
+    runs = [(lo, hi, k[:, lo:hi].to(dtype), v[:, lo:hi].to(dtype)) for lo, hi in _key_runs(blocks)]
+
+    def keys(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at, _, kl, vl = next(r for r in runs if r[0] <= lo and hi <= r[1])
+        return kl[:, lo - at : hi - at], vl[:, lo - at : hi - at]
+
     if kv_heads == 1:
         qs = (q.transpose(0, 1) * scale).to(dtype)  # (Tq, heads, D): contiguous from `Decoder._query`
         out = torch.empty(tq, heads * d, dtype=dtype, device=q.device)
         for s, e, lo, hi, mask in blocks:
-            scores = torch.mm(qs[s:e].reshape(-1, d), kl[0, lo - first : hi - first].T)
+            kb, vb = keys(lo, hi)
+            scores = torch.mm(qs[s:e].reshape(-1, d), kb[0].T)
             probs = torch.softmax(scores.view(e - s, heads, -1).add_(mask[:, None]), -1)
-            torch.mm(probs.view((e - s) * heads, -1), vl[0, lo - first : hi - first], out=out[s:e].view(-1, d))
+            torch.mm(probs.view((e - s) * heads, -1), vb[0], out=out[s:e].view(-1, d))
         return out
     group = heads // kv_heads
     parts = []
     for s, e, lo, hi, mask in blocks:
+        kb, vb = keys(lo, hi)
         qs = (q[:, s:e] * scale).to(dtype).reshape(kv_heads, group * (e - s), d)
-        scores = torch.bmm(qs, kl[:, lo - first : hi - first].transpose(1, 2)).view(kv_heads, group, e - s, -1)
+        scores = torch.bmm(qs, kb.transpose(1, 2)).view(kv_heads, group, e - s, -1)
         probs = torch.softmax(scores.add_(mask), -1)
-        parts.append(torch.bmm(probs.view(kv_heads, group * (e - s), -1), vl[:, lo - first : hi - first])
-                     .view(heads, e - s, d))
+        parts.append(torch.bmm(probs.view(kv_heads, group * (e - s), -1), vb).view(heads, e - s, d))
     out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
     return out.transpose(0, 1).reshape(tq, heads * d)
+
+
+def _key_runs(blocks: Sequence[AttnBlock]) -> list[tuple[int, int]]:
+    """The key ranges `attend`'s blocks read, those that overlap or touch merged, in order."""
+    runs: list[tuple[int, int]] = []
+    for _, _, lo, hi, _ in sorted(blocks, key=lambda b: b[2]):
+        if runs and lo <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], hi))
+        else:
+            runs.append((lo, hi))
+    return runs
 
 
 def _softcapped_attention(

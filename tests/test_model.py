@@ -275,15 +275,17 @@ def test_stacked_projections_split_back(tiny_models, family: str, precision: str
 
 
 def _attention_cases(cfg: ModelConfig, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    """(q, q_pos, k, v, k_pos) on ATTN_BLOCK + 44 keys: a causal prefill longer than a block, and sparse
-    queries among them (blend's)."""
+    """(q, q_pos, k, v, k_pos) on ATTN_BLOCK + 44 keys: a causal prefill longer than a block, sparse
+    queries among them (blend's), and a few queries at each end (a fused request's prefix tail and
+    question, whose blocks read keys far apart)."""
     from kvfuse.model import ATTN_BLOCK
 
     g, n = torch.Generator().manual_seed(seed), ATTN_BLOCK + 44
     k_pos = torch.arange(n)
     k = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
     v = torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g)
-    positions = (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values)
+    positions = (k_pos, torch.sort(torch.randperm(n, generator=g)[: n // 5]).values,
+                 torch.cat((k_pos[:5], k_pos[-9:])))
     return [(torch.randn(cfg.num_heads, len(p), cfg.head_dim, generator=g), p, k, v, k_pos) for p in positions]
 
 
