@@ -21,11 +21,12 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedModelError
+from kvfuse.jsonfile import read_json, write_json
 
 if TYPE_CHECKING:
     import numpy as np
@@ -329,33 +330,14 @@ def kept_check(name: str, key: str, check: Callable[[], int]) -> int:
     the same; where the file cannot be read or written, check() runs again. For checks whose answer is
     fixed by what the key names (the model, the software, the machine) and costs seconds to find."""
     memo = cache_dir() / f"{name}.json"
-    known = _read_memo(memo)
+    known = read_json(memo)
     if isinstance(known.get(key), int):
         return int(known[key])
     value = check()
     known[key] = value
-    _write_memo(memo, known)  # a read-only cache: checked again by the next process
+    with contextlib.suppress(OSError):  # a read-only cache: checked again by the next process
+        write_json(memo, known)
     return value
-
-
-def _read_memo(memo: Path) -> dict[str, Any]:
-    """A JSON object kept in the cache dir; {} where it is missing or unreadable."""
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
-
-
-def _write_memo(memo: Path, known: dict[str, Any]) -> None:
-    """Replace the memo atomically; where the cache cannot be written, nothing is kept."""
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, memo)
-    except OSError:
-        pass
 
 
 def gguf_key(file: Path) -> str:
@@ -365,7 +347,7 @@ def gguf_key(file: Path) -> str:
 
     st = file.stat()
     memo, stamp = cache_dir() / "models" / "gguf-keys.json", [st.st_size, st.st_mtime_ns]
-    known = _read_memo(memo)
+    known = read_json(memo)
     entry = known.get(str(file.resolve()))
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return str(entry["key"])
@@ -375,7 +357,8 @@ def gguf_key(file: Path) -> str:
             h.update(block)
     key = h.hexdigest()[:24]
     known[str(file.resolve())] = {"stamp": stamp, "key": key}
-    _write_memo(memo, known)  # a read-only cache only means hashing again next time
+    with contextlib.suppress(OSError):  # a read-only cache only means hashing again next time
+        write_json(memo, known)
     return key
 
 

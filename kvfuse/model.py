@@ -666,11 +666,11 @@ def _low_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Se
             probs = torch.softmax(scores.view(e - s, heads, -1).add_(mask[:, None]), -1)
             torch.mm(probs.view((e - s) * heads, -1), vb[0], out=out[s:e].view(-1, d))
         return out
-    group = heads // kv_heads
+    group, qs_all = heads // kv_heads, (q * scale).to(dtype)
     parts = []
     for s, e, lo, hi, mask in blocks:
         kb, vb = keys(lo, hi)
-        qs = (q[:, s:e] * scale).to(dtype).reshape(kv_heads, group * (e - s), d)
+        qs = qs_all[:, s:e].reshape(kv_heads, group * (e - s), d)
         scores = torch.bmm(qs, kb.transpose(1, 2)).view(kv_heads, group, e - s, -1)
         probs = torch.softmax(scores.add_(mask), -1)
         parts.append(torch.bmm(probs.view(kv_heads, group * (e - s), -1), vb).view(heads, e - s, d))

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
 
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader",
+    ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.jsonfile", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader",
      "kvfuse.metrics",
      "kvfuse.quant", "kvfuse.groups", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
      "kvfuse.precision", "kvfuse.checkpoints", "kvfuse.weights",

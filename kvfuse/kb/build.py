@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.jsonfile import read_json, write_json
 from kvfuse.kb.prefix import PrefixPlan
-from kvfuse.kb.usage import build_record_path, kb_state_dir, locked, read_json, write_json
+from kvfuse.kb.usage import build_record_path, kb_state_dir, locked
 from kvfuse.kv import one_thread
 
 if TYPE_CHECKING:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kvfuse.jsonfile import read_json, write_json
 
 
 def kb_state_dir(state_dir: Path, kb: str) -> Path:
@@ -85,17 +86,3 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A state file's object; a missing or damaged one reads as empty (it is state, rebuilt as used)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
