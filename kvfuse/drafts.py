@@ -15,7 +15,8 @@ they are, and verification keeps only what decoding chooses.
 
 `DraftLength` sizes the next draft from how the last one did (after HF's prompt-lookup heuristic: two
 more after a draft taken whole, one fewer after a rejected one), so a request whose answer copies
-nothing soon drafts little.
+nothing soon drafts little; and one whose drafts were taken whole `LONG_RUN` times in a row is copying
+a span, so its drafts may grow past the usual length, to as many rows as a step carries.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried after it
-DRAFT_TOKENS = 6  # the most tokens one draft proposes (with the token fed, 7 rows: within a step's 8)
+DRAFT_TOKENS = 6  # a draft's usual longest (with the token fed, 7 rows); longer only in a run (`DraftLength`)
+LONG_RUN = 2  # drafts taken whole in a row after which a request's drafts may grow past the usual length
 SPACE_MARKS = ("\u2581", "\u0120")  # how SentencePiece ("▁") and byte-level BPE ("Ġ") spell a leading space
 KEYS_RULE = 2  # the version of `token_keys`' rule: keys kept on disk by an older one are made again
 
@@ -119,15 +121,28 @@ class Context:
 
 @dataclass(slots=True)
 class DraftLength:
-    """The next draft's length, from 1 to `most`, adapted to how the drafts of this request fare."""
+    """The next draft's length, from 1 to `most`, adapted to how the drafts of this request fare: two more
+    after a draft taken whole, one fewer after a rejected one, within `usual` until `LONG_RUN` drafts in a
+    row were taken whole. Such a request is copying a span of its context (a RAG answer copies a name or
+    a sentence from a passage), so its drafts may then grow to `most`: each extra row costs a step a few
+    milliseconds, each step saved a few tens (Gemma 3 270M at a 3.5k context: 42 ms a step of 7 rows,
+    73 of 16, docs/benchmarks.md). A rejection ends the run and brings the length back within `usual`,
+    so a request that drafts at its usual length and sees some drafts rejected never pays for long ones."""
 
     most: int = DRAFT_TOKENS
     now: int = DRAFT_TOKENS
+    usual: int = DRAFT_TOKENS
+    run: int = 0  # drafts taken whole in a row
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
-        self.now = min(self.most, self.now + 2) if accepted == drafted else max(1, self.now - 1)
+        if accepted == drafted:
+            self.run += 1
+            self.now = min(self.most if self.run >= LONG_RUN else min(self.usual, self.most), self.now + 2)
+        else:
+            self.run = 0
+            self.now = max(1, min(self.now, self.usual) - 1)
 
 
 @dataclass(slots=True)

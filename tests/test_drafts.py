@@ -113,6 +113,30 @@ def test_draft_length_grows_on_success_and_shrinks_on_rejection() -> None:
     assert d.now == 1
 
 
+def test_draft_length_grows_past_the_usual_length_only_in_a_run_of_drafts_taken_whole() -> None:
+    d = DraftLength(most=15, now=6, usual=6)
+    d.update(6, 6)  # one draft taken whole: still within the usual length
+    assert d.now == 6
+    d.update(6, 6)  # two in a row: the request is copying, its drafts may grow
+    assert d.now == 8
+    d.update(8, 8)
+    d.update(10, 10)
+    d.update(12, 12)
+    assert d.now == 14
+    d.update(14, 14)
+    assert d.now == 15  # never past `most`
+    d.update(15, 3)  # a rejection ends the run: back within the usual length
+    assert (d.now, d.run) == (5, 0)
+    d.update(5, 5)  # one taken whole after it is not a run yet
+    assert d.now == 6
+    d.update(6, 6)
+    assert d.now == 8
+    short = DraftLength(most=4, now=4, usual=6)  # `most` bounds the usual length too
+    for _ in range(3):
+        short.update(4, 4)
+    assert short.now == 4
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_rows_of_one_slot_equal_stepping_one_token_at_a_time(tiny_engines, family: str) -> None:
     e: Engine = tiny_engines[family]

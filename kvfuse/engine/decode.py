@@ -9,7 +9,7 @@ sequence's attention runs over its own cache.
 Batching must not change answers: a request must decode to the same tokens alone or beside others.
 A row of a float32 matrix product depends only on its own input row, but the order of its sums
 depends on the kernel, which the BLAS picks by shape: on x86, one row takes a matrix-vector path that
-sums differently from the 2-to-8-row products. So a step always runs at least MIN_ROWS rows (a lone
+sums differently from the products of several rows. So a step always runs at least MIN_ROWS rows (a lone
 sequence gets a zero row beside it), and `batch_limit` checks on the model and machine at hand up to
 how many rows every row's result is bitwise the same as in a MIN_ROWS step.
 """

@@ -40,7 +40,8 @@ from kvfuse.model import Decoder
 
 log = logging.getLogger(__name__)
 
-MAX_DECODE_BATCH = 8  # the most rows one decoding step may carry (fewer if the check says so)
+MAX_DECODE_BATCH = 16  # the most rows one decoding step may carry (fewer if the check says so): a batch's
+# requests and their drafts; a lone request's longest draft is one fewer (`drafts.DraftLength`)
 
 
 def greedy(params: SamplingParams) -> bool:
@@ -152,7 +153,8 @@ class Scheduler:
         """Let a request without recorded logits draft from its prompt and its own tokens."""
         if self.draft_tokens > 0 and d.steps is None and self.drafts_pay():
             d.context = Context(prompt, d.params.max_tokens, self.draft_keys)
-            d.draft_len = DraftLength(self.draft_tokens, self.draft_tokens)
+            n = self.draft_tokens
+            d.draft_len = DraftLength(most=max(n, MAX_DECODE_BATCH - 1), now=n, usual=n)
 
     def advance(self, batch: Sequence[Decoding]) -> None:
         """Move every unfinished request in the batch on by at least one token, stepping them together in
