@@ -134,12 +134,17 @@ class DraftLength:
     usual: int = DRAFT_TOKENS
     run: int = 0  # drafts taken whole in a row
 
+    @property
+    def copying(self) -> bool:
+        """Whether the last `LONG_RUN` drafts were taken whole: the request copies a span of its context."""
+        return self.run >= LONG_RUN
+
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         if accepted == drafted:
             self.run += 1
-            self.now = min(self.most if self.run >= LONG_RUN else min(self.usual, self.most), self.now + 2)
+            self.now = min(self.most if self.copying else min(self.usual, self.most), self.now + 2)
         else:
             self.run = 0
             self.now = max(1, min(self.now, self.usual) - 1)

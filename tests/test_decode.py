@@ -237,7 +237,9 @@ def test_wide_drafts_verify_several_rows_and_answer_as_plain_greedy(gemma_wide, 
     assert all(g.drafts.drafted <= g.drafts.steps * (limit - 1) for g in drafted)  # a step's rows bound a draft
     batch = [e.begin(r, "full", None, greedy) for r in reqs]
     batch.append(e.begin(reqs[0], "full", None, SamplingParams(max_tokens=24, temperature=0.7, seed=1)))
-    greedy_steps = 0  # steps until the greedy ones are done (the sampled one takes 23)
+    e.advance(batch)  # the first step: every request's prompt repeats, so each has a draft to propose
+    assert [d.drafts.steps for d in batch] == [1] * len(batch)  # the step's spare rows are shared by all
+    greedy_steps = 1  # steps until the greedy ones are done (the sampled one takes 23)
     while not all(d.done for d in batch):
         e.advance(batch)
         greedy_steps += not all(d.done for d in batch[:3])

@@ -40,8 +40,8 @@ from kvfuse.model import Decoder
 
 log = logging.getLogger(__name__)
 
-MAX_DECODE_BATCH = 16  # the most rows one decoding step may carry (fewer if the check says so): a batch's
-# requests and their drafts; a lone request's longest draft is one fewer (`drafts.DraftLength`)
+MAX_DECODE_BATCH = 16  # the most rows one decoding step may carry (fewer if the check says so)
+USUAL_ROWS = 8  # a step's rows for requests and their usual drafts; wider only for drafts in a run (`_drafts`)
 
 
 def greedy(params: SamplingParams) -> bool:
@@ -174,7 +174,7 @@ class Scheduler:
         for d in live:
             if d.slot is None:
                 d.slot = Slot(self.model, d.pre.fused.cache, d.params.max_tokens, d.pre.fused.buffers)
-        drafts = _drafts(live, rows - len(live))
+        drafts = _drafts(live, rows)
         h = step_rows(self.model, [d.slot for d in live],  # type: ignore[misc]
                       [[d.tokens[-1], *draft] for d, draft in zip(live, drafts, strict=True)])
         spans, at = [], 0  # each request's rows in h
@@ -276,13 +276,26 @@ class _Chosen:
         return self.head.argmax_rows(x, self.head.bounds_rows(x, self.approx[i : i + 1]), [self.masks.get(row)])[0]
 
 
-def _drafts(live: list[Decoding], spare: int) -> list[list[int]]:
-    """A draft from its context for each request that has one, within `spare` rows in all."""
+def _drafts(live: list[Decoding], rows: int) -> list[list[int]]:
+    """A draft from its context for each request that has one, in a step of at most `rows` rows. Within
+    USUAL_ROWS the rows the requests leave are shared out evenly (a draft's first tokens are the likeliest
+    to be taken, so every request drafts, not only the first ones); a request whose drafts are being taken
+    whole (`DraftLength.copying`) shares in the rest of the step's rows too. Each request may take its share
+    of what the requests before it left."""
     out: list[list[int]] = []
+    spare = rows - len(live)
+    usual = max(0, min(spare, USUAL_ROWS - len(live)))
+    drafting = sum(d.context is not None for d in live)
     for d in live:
         assert d.slot is not None  # `_step` gives every request its slot first
-        k = min(d.draft_len.now, spare, d.params.max_tokens - len(d.tokens) - 1, d.slot.room - 1)
-        draft = d.context.propose(k) if d.context is not None and k > 0 else []
+        if d.context is None:
+            out.append([])
+            continue
+        share = (spare if d.draft_len.copying else usual) // drafting
+        drafting -= 1
+        k = min(d.draft_len.now, share, d.params.max_tokens - len(d.tokens) - 1, d.slot.room - 1)
+        draft = d.context.propose(k) if k > 0 else []
         spare -= len(draft)
+        usual = max(0, usual - len(draft))
         out.append(draft)
     return out
