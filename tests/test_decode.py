@@ -4,9 +4,11 @@ import pytest
 import torch
 from conftest import rand_ids
 
+from kvfuse.drafts import DRAFT_TOKENS
 from kvfuse.engine import Engine, Request
 from kvfuse.engine.decode import Slot, batch_limit, step_hidden, step_rows
 from kvfuse.engine.sampling import SamplingParams
+from kvfuse.engine.scheduler import USUAL_ROWS
 from kvfuse.model import SPLIT_KEYS
 
 
@@ -235,10 +237,14 @@ def test_wide_drafts_verify_several_rows_and_answer_as_plain_greedy(gemma_wide, 
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
     assert sum(g.drafts.accepted for g in drafted) > 0
     assert all(g.drafts.drafted <= g.drafts.steps * (limit - 1) for g in drafted)  # a step's rows bound a draft
+    if limit > DRAFT_TOKENS + 1:  # drafts taken whole in a run (a loop) grow past the usual length
+        assert any(g.drafts.drafted > g.drafts.steps * DRAFT_TOKENS for g in drafted)
     batch = [e.begin(r, "full", None, greedy) for r in reqs]
     batch.append(e.begin(reqs[0], "full", None, SamplingParams(max_tokens=24, temperature=0.7, seed=1)))
     e.advance(batch)  # the first step: every request's prompt repeats, so each has a draft to propose
     assert [d.drafts.steps for d in batch] == [1] * len(batch)  # the step's spare rows are shared by all
+    # no request is in a run of drafts taken whole yet: the step stays within its usual rows
+    assert sum(d.drafts.drafted for d in batch) <= min(limit, USUAL_ROWS) - len(batch)
     greedy_steps = 1  # steps until the greedy ones are done (the sampled one takes 23)
     while not all(d.done for d in batch):
         e.advance(batch)
