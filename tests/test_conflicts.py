@@ -74,6 +74,38 @@ def test_ask_prints_a_disputed_answer_as_disputed(docs) -> None:  # type: ignore
     assert answer_lines("14 days.", found, color=True).startswith("\033[1;33mDISPUTED: 14 days.\033[0m")
 
 
+def test_kept_indexes_on_disk_are_pruned_to_the_ones_used_last(docs, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every edit of a knowledge base's texts keeps a new index on disk: beyond INDEXES_KEPT, the ones used
+    longest ago are deleted, and reading one marks it used."""
+    from kvfuse.kb import conflicts
+
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(conflicts, "INDEXES_KEPT", 2)
+
+    class Named(CharTokenizer):
+        fingerprint = "vocab-a"
+
+    def kept() -> set[str]:
+        return {d.name for d in (tmp_path / "indexes").iterdir() if not d.name.startswith(".")}
+
+    conflicts._INDEXES.clear()
+    conflicts.kb_index(docs[:1], Named())
+    (a,) = kept()
+    conflicts.kb_index(docs[:2], Named())
+    (b,) = kept() - {a}
+    conflicts._INDEXES.clear()  # a new process reads the first one again: it is used last now
+    conflicts.kb_index(docs[:1], Named())
+    assert kept() == {a, b}
+    conflicts.kb_index(docs[:3], Named())  # a third version: the one used longest ago goes
+    (c,) = kept() - {a}
+    assert kept() == {a, c}
+    conflicts._INDEXES.clear()
+    again = conflicts.kb_index(docs[:2], Named())  # the pruned one is built again, whole
+    conflicts._INDEXES.clear()
+    assert conflicts.kb_index(docs[:2], Named()).search(REFUND, 3) == again.search(REFUND, 3)
+    assert kept() == {b, c}
+
+
 def test_the_index_is_kept_on_disk_per_vocabulary_and_built_once(docs, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A process of its own (`kvfuse ask`) reads the conflict index another one built, where the tokenizer
     names its vocabulary; another vocabulary cuts other passages, so it gets its own."""

@@ -24,11 +24,15 @@ the same unit (measured on the 62 Albarán questions in docs/benchmarks.md, issu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
+import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfuse.kb.facts import Quantity, quantities
@@ -41,7 +45,8 @@ if TYPE_CHECKING:
 PASSAGES = 3  # the passages searched for a conflicting number
 PER_QUANTITY = 1  # conflicts reported for each quantity the answer states
 INDEX_CHUNKS = (128, 16)  # the index's passages: tokens each, tokens of overlap
-INDEXES_KEPT = 16  # indexes kept in memory (one per group and knowledge-base version), oldest dropped first
+INDEXES_KEPT = 16  # indexes kept in memory (one per group and knowledge-base version), oldest dropped first,
+# and on disk, least recently used dropped first (`_prune_kept`)
 _INDEXES: dict[str, Index] = {}  # by the documents' digest: built once per knowledge-base version
 _LOCK = threading.Lock()
 
@@ -125,17 +130,34 @@ def _kept_index(docs: Sequence[Document], tok: object, digest: str) -> Index:
     where = cache_dir() / "indexes" / f"conflicts-{key}" if isinstance(vocab, str) else None
     if where is not None and where.is_dir():
         try:
-            return Index.load(where)
+            index = Index.load(where)
         except RetrievalIndexError:
-            pass  # damaged: built again below, and saved over it
+            pass  # damaged (or pruned by another process meanwhile): built again below, and saved over it
+        else:
+            with contextlib.suppress(OSError):  # a read-only cache: read, not marked
+                os.utime(where)  # used now: the last to be pruned
+            return index
     index = Index.build([SourceDoc(d.id, d.title, d.text, ()) for d in docs], tok,  # type: ignore[arg-type]
                         *INDEX_CHUNKS)
     if where is not None:
         try:
             index.save(where)
         except OSError:
-            pass  # a read-only cache: built again by the next process
+            return index  # a read-only cache: built again by the next process
+        _prune_kept(where.parent)
     return index
+
+
+def _prune_kept(folder: Path) -> None:
+    """Keep the INDEXES_KEPT conflict indexes on disk used last (their folders' times) and delete the
+    rest: every edit of a knowledge base's texts makes a new one, and each holds its passages' embeddings.
+    A process still reading a deleted one finds it damaged and builds it again."""
+    kept = []
+    for d in folder.glob("conflicts-*"):
+        with contextlib.suppress(OSError):  # gone meanwhile: another process pruned it
+            kept.append((d.stat().st_mtime_ns, d))
+    for _, d in sorted(kept, reverse=True)[INDEXES_KEPT:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # (the answer's quantity, doc, sentence span, the sentence's quantity of that unit, it agrees)
