@@ -223,8 +223,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # the dtype of `attend`'s two products (a prefill's attention) where not the queries' own (SDPA's):
-        # bf16's on the CPU is bfloat16 (`precision.convert`)
+        # the dtype of `attend`'s two products (a prefill's attention) where not the queries' own (SDPA's),
+        # and the one keys and values are rounded to as computed: bf16's on the CPU is bfloat16
+        # (`precision.convert`)
         self.attention_dtype: torch.dtype | None = None
 
     # -- per-layer API ---------------------------------------------------------------------------
@@ -241,6 +242,13 @@ class Decoder(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """The dtype of hidden states and of the KV this model computes (its precision's, `precision.py`)."""
         return self.norm.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype this model's keys and values hold in exactly: `attention_dtype` where a prefill's
+        attention reads them rounded to it (they are rounded once, as they are computed: `_key_value`),
+        else the compute dtype. A cache stored in it loses nothing (`Engine(kv_dtype=None)`)."""
+        return self.attention_dtype or self.compute_dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (T,) -> hidden states (T, hidden)."""
@@ -294,11 +302,16 @@ class Decoder(nn.Module):
 
     def _key_value(self, i: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Projected keys and values (T, kv_heads*D) -> (kv_heads, T, D), the keys normed and rotated."""
+        """Projected keys and values (T, kv_heads*D) -> (kv_heads, T, D), the keys normed and rotated;
+        with an `attention_dtype`, both rounded to it (and held in the compute dtype): a prefill's
+        attention reads them so anyway, and rounding them here, once, gives decoding steps and every
+        kept cache the same numbers, which `kv_dtype` then stores in half the bytes exactly."""
         cfg, attn = self.cfg, self.block(i).self_attn
         k = k.reshape(k.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = v.reshape(v.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        return rotate(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin), v
+        k = rotate(attn.k_norm(k) if attn.k_norm is not None else k, cos, sin)
+        low = self.attention_dtype
+        return (k, v) if low is None else (k.to(low).to(k.dtype), v.to(low).to(v.dtype))
 
     def attend(
         self, i: int, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,

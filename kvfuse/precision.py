@@ -91,8 +91,9 @@ def check(precision: str) -> str:
 
 # what a precision appends to the fingerprint; a new tag whenever what it computes changes (int8's
 # activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32", its prefill attention
-# float32 before "-a16", its prefill MLP's activation in float32 after the product before "-g16")
-TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
+# float32 before "-a16", its prefill MLP's activation in float32 after the product before "-g16", its keys
+# and values float32 before "-k16")
+TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16-k16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:

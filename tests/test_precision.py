@@ -121,8 +121,35 @@ def test_fusion_is_available_at_every_precision(engine_at, p: str) -> None:
     assert keys.isdisjoint(fp32.cache.chunk_key(c) for c in req.chunks)  # never read at another precision
     out = e.generate(req, "blend", 0.5, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.tokens) == 4 and out.first_logits.dtype == torch.float32
-    assert e.kv_dtype == torch.float32 == e.cache.chunk_cache(req.chunks[0])[0].k.dtype  # stored as computed
+    # stored in what holds the KV exactly: bfloat16 for bf16, whose keys and values are rounded to it
+    assert e.kv_dtype == (torch.bfloat16 if p == "bf16" else torch.float32) == e.model.kv_dtype
+    assert e.cache.chunk_cache(req.chunks[0])[0].k.dtype == e.kv_dtype
     assert fp32.kv_dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_bf16_models_caches_are_stored_in_bfloat16_losing_nothing(engine_at, family: str) -> None:
+    """bf16 rounds keys and values to bfloat16 as it computes them (its prefill attention reads them so),
+    so the store keeps them in bfloat16, half fp32's bytes, and what a request reads back is what a full
+    prefill holds, bit for bit."""
+    e, fp32 = engine_at(family, "bf16"), engine_at(family, "fp32")
+    req = Request(prefix=(1,) + rand_ids(40, 21), chunks=(), suffix=rand_ids(5, 22))
+    full = e.prefill(req, "full").fused.cache
+    for t in (full.k, full.v):
+        assert torch.equal(t, t.to(torch.bfloat16).float())  # held in float32, bfloat16 numbers
+    loose = fp32.prefill(req, "full").fused.cache.k  # fp32's are not: the test can tell
+    assert not torch.equal(loose, loose.to(torch.bfloat16).float())
+    e.precompute(req, "prefix")
+    blocks = e.cache.request_keys(req, e.validate(req, "prefix", None)).blocks
+    stored = [e.store.get(h) for h in blocks]
+    assert stored and all(c is not None and c.k.dtype == torch.bfloat16 for c in stored)
+    bs = e.cache.block_size
+    for j, c in enumerate(stored):
+        assert c is not None
+        assert torch.equal(c.k.float(), full.k[:, :, j * bs : (j + 1) * bs])
+        assert torch.equal(c.v.float(), full.v[:, :, j * bs : (j + 1) * bs])
+    assert e.generate(req, "prefix", params=SamplingParams(max_tokens=4, ignore_eos=True)).tokens == \
+        e.generate(req, "full", params=SamplingParams(max_tokens=4, ignore_eos=True)).tokens
 
 
 def test_the_int8_kernel_gives_each_row_the_same_result_in_any_batch() -> None:

@@ -80,7 +80,7 @@ class Engine:
         bos = self.cfg.bos_token_id
         default_preamble = (bos,) if bos is not None else ()
         self.preamble: tuple[int, ...] = tuple(preamble) if preamble is not None else default_preamble
-        kv = kv_dtype if kv_dtype is not None else model.compute_dtype  # stored as computed, by default
+        kv = kv_dtype if kv_dtype is not None else model.kv_dtype  # by default, what holds the KV exactly
         self.cache = CacheManager(model, fingerprint, store if store is not None else TieredStore(), self.preamble,
                                   block_size, kv)
         self.pipelined = True  # read later-tier chunk layers ahead of the recompute
