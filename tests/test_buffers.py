@@ -131,3 +131,31 @@ def test_a_kept_buffer_does_not_keep_the_blocks_it_holds_alive() -> None:
     gc.collect()
     assert alive() is None
     assert pool.take(SHAPE, torch.float32, torch.device("cpu"), _blocks(3, 4)).done == 0  # equal values, new objects
+
+
+def test_a_stored_prefix_kept_in_another_dtype_is_found_in_place(engine_at, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """bf16's blocks are stored in bfloat16 and its buffers are float32: the next question on the prefix
+    still finds every block in place (none is copied again) and answers as from fresh buffers."""
+    import kvfuse.fuse.core as fcore
+
+    e: Engine = engine_at("gemma3", "bf16")
+    assert e.kv_dtype == torch.bfloat16 != e.model.compute_dtype
+    copied: list[int] = []
+    copy_in = fcore._copy_in
+
+    def counting(parts, bufs):  # type: ignore[no-untyped-def]
+        copied.append(len(parts) - bufs.done)
+        return copy_in(parts, bufs)
+
+    monkeypatch.setattr(fcore, "_copy_in", counting)
+    prefix = (1,) + rand_ids(63, 11)
+    reqs = [Request(prefix=prefix, chunks=(), suffix=rand_ids(5, 20 + s)) for s in range(2)]
+    e.precompute(reqs[0], "prefix")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    POOL.clear()
+    copied.clear()
+    want = [e.generate(r, "prefix", None, params).tokens for r in reqs]
+    assert copied[0] == 4 and copied[1] == 0, copied  # 4 blocks copied into the first buffer, none after
+    POOL.clear()
+    assert e.generate(reqs[1], "prefix", None, params).tokens == want[1]
+    POOL.clear()

@@ -133,11 +133,11 @@ class CacheManager:
         return tail
 
     def read_tail(self, key: BlockHash | None, n: int) -> KVCache | None:
-        """The stored tail of n tokens under key, in the model's dtype; None where there is none."""
+        """The stored tail of n tokens under key, as `read_prefix` gives blocks; None where there is none."""
         cache = self.store.get(key) if key is not None else None
         if cache is None or len(cache) != n:
             return None
-        return cache.to(self.model.compute_dtype, self.model.device)
+        return cache.to(device=self.model.device)
 
     def store_tail(self, key: BlockHash | None, cache: KVCache, start: int, end: int) -> None:
         """Store positions start:end of cache (a prefix's tail, as a request computed it) under key,
@@ -156,15 +156,18 @@ class CacheManager:
         return n
 
     def read_prefix(self, hashes: Sequence[BlockHash]) -> list[KVCache]:
-        """The longest run of stored blocks at the start, in order, in the model's dtype."""
+        """The longest run of stored blocks at the start, in order, in the dtype they are stored in (on the
+        model's device): a request's buffers take them in the compute dtype as they copy them
+        (`fuse.core._copy_in`). The memory tier's blocks come back as the very objects it holds, which is
+        how a kept buffer knows it holds them already (`buffers.py`); a converted copy would match nothing."""
         blocks = []
-        dtype, device = self.model.compute_dtype, self.model.device
+        device = self.model.device
         with one_thread():
             for h in hashes:
                 c = self.store.get(h)
                 if c is None:
                     break
-                blocks.append(c.to(dtype, device))
+                blocks.append(c.to(device=device))
         return blocks
 
     def store_prefix(self, hashes: Sequence[BlockHash], cache: KVCache, pin: bool = False) -> None:
