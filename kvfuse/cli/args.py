@@ -81,7 +81,8 @@ def store_flags(p: argparse.ArgumentParser) -> None:
     redis_flags(p)
     p.add_argument("--no-store", action="store_true", help="keep caches in memory only")
     p.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
-                   help="dtype of stored KV caches (default auto: as computed, float32)")
+                   help="dtype of stored KV caches (default auto: the one that holds the precision's KV exactly, "
+                        "bf16 for --precision bf16, else fp32)")
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
