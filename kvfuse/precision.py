@@ -5,10 +5,12 @@
 - `bf16`: every layer's linear weights in bfloat16, prepacked for oneDNN (`packed.py`), for CPUs with
   AMX, where a prefill's products run about ten times faster than float32's (on a CPU without bfloat16
   hardware they are several times slower). A product takes its input rounded to bfloat16 and returns
-  float32; norms, softmax, attention, the residual stream, the KV, the embedding table and the LM head
-  stay float32, which is what keeps answers close to fp32's (an all-bfloat16 model, with a bfloat16
-  residual stream and bfloat16 logits that tie at the top, agreed with fp32's first token on 0.90 of
-  MuSiQue cases; docs/benchmarks.md). Greedy steps screen the float32 head in int8 like fp32's.
+  float32; norms, softmax, the residual stream, the embedding table and the LM head stay float32,
+  which is what keeps answers close to fp32's (an all-bfloat16 model, with a bfloat16 residual stream
+  and bfloat16 logits that tie at the top, agreed with fp32's first token on 0.90 of MuSiQue cases;
+  docs/benchmarks.md). A prefill's attention products run in bfloat16, and keys and values are rounded
+  to bfloat16 as they are computed, so its caches are stored in bfloat16 exactly (`Decoder.kv_dtype`).
+  Greedy steps screen the float32 head in int8 like fp32's.
 - `int8`: weight-only int8 with a per-output-row scale for every linear layer and the LM head
   (`quant.py`); activations, norms and the residual stream stay float32 (bfloat16 element-wise ops
   are slower than float32's on a CPU without AVX-512 BF16, and they cost fidelity); a tied table's
