@@ -179,7 +179,12 @@ def test_cli_profile_and_precompute(real, tmp_path, monkeypatch) -> None:  # typ
     monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
     prof = _cli("profile", "--json", "--store", str(tmp_path / "store"))
     assert set(prof) >= {"kv_bytes_per_token", "prefill_s_per_token", "tiers", "recommended_tier", "ratio_by_tier"}
-    assert prof["kv_bytes_per_token"] == 2 * 18 * 256 * 4  # fp32 K and V, 18 layers, one 256-wide kv head
+    from kvfuse.precision import default_precision
+
+    # K and V, 18 layers, one 256-wide kv head, stored in what holds the CLI default's KV exactly: bfloat16
+    # for bf16 (its keys and values are rounded to it as computed), float32 for the others
+    itemsize = 2 if default_precision() == "bf16" else 4
+    assert prof["kv_bytes_per_token"] == 2 * 18 * 256 * itemsize
     assert set(prof["tiers"]) == {"memory", "disk"} and prof["recommended_tier"] in prof["tiers"]
     assert all(t["read_bytes_per_s"] > 0 and "cost_per_gb" in t for t in prof["tiers"].values())
     assert all(0.15 <= r <= 1.0 for r in prof["ratio_by_tier"].values())
