@@ -107,10 +107,13 @@ class KVCache:
         part = Residual(r.layer, r.hidden[start:end]) if r is not None else None
         return KVCache(self.k[:, :, start:end], self.v[:, :, start:end], self.positions[start:end], part)
 
-    def clone(self) -> KVCache:
+    def clone(self, dtype: torch.dtype | None = None) -> KVCache:
+        """A copy in tensors of its own (never views of a request's buffers), K, V and the residual in
+        that dtype (None: as they are): one copy each, converting as it copies."""
         r = self.residual
-        return KVCache(self.k.clone(), self.v.clone(), self.positions.clone(),
-                       Residual(r.layer, r.hidden.clone()) if r is not None else None)
+        dtype = self.k.dtype if dtype is None else dtype
+        return KVCache(self.k.to(dtype, copy=True), self.v.to(dtype, copy=True), self.positions.clone(),
+                       Residual(r.layer, r.hidden.to(dtype, copy=True)) if r is not None else None)
 
     @property
     def device(self) -> torch.device:

@@ -144,7 +144,7 @@ class CacheManager:
         unpinned: a few tokens, computed again if evicted."""
         if key is not None and end > start and key not in self.store:
             with one_thread():
-                self.store.put(key, cache.slice(start, end).to(self.kv_dtype).clone())
+                self.store.put(key, cache.slice(start, end).clone(self.kv_dtype))
 
     def stored_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many blocks at the start are stored in some tier (nothing is read)."""
@@ -176,7 +176,7 @@ class CacheManager:
         with one_thread():  # hundreds of small copies: see kv.one_thread
             for j, h in enumerate(hashes):
                 if h not in self.store:
-                    self.store.put(h, cache.slice(j * bs, (j + 1) * bs).to(self.kv_dtype).clone(), pin=pin)
+                    self.store.put(h, cache.slice(j * bs, (j + 1) * bs).clone(self.kv_dtype), pin=pin)
                 elif pin:
                     self.store.pin(h)
 
