@@ -24,6 +24,7 @@ from torch import nn
 
 from kvfuse.config import ModelConfig, RopeSpec
 from kvfuse.groups import GroupEmbedding, GroupLinear, GroupTable
+from kvfuse.lowbit import LowBitEmbedding, LowBitLinear, LowBitRows, LowBitTable
 from kvfuse.packed import PackedLinear
 from kvfuse.quant import Int8Embedding, Int8Linear
 from kvfuse.rope import rope_cos_sin, rotate, signed_sin
@@ -112,7 +113,7 @@ def _product(layer: nn.Module, x: torch.Tensor, step: bool) -> torch.Tensor:
 
 def _linear_rows(layer: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of a linear layer's output alone (the q, or the k and v, of a stacked projection)."""
-    if isinstance(layer, Int8Linear | PackedLinear | W8A8Linear | GroupLinear):  # converted layers, in parts
+    if isinstance(layer, Int8Linear | PackedLinear | W8A8Linear | GroupLinear | LowBitLinear):  # converted, in parts
         return layer.linear_rows(x, lo, hi)
     assert isinstance(layer, nn.Linear)
     return F.linear(x, layer.weight[lo:hi], None if layer.bias is None else layer.bias[lo:hi])
@@ -500,11 +501,11 @@ class Decoder(nn.Module):
             keys, values, k_pos = k, v, pos
         return self.finish(i, h, self.attend(i, q, pos, keys, values, k_pos)), k, v
 
-    def head_weight(self) -> torch.Tensor | GroupTable:
+    def head_weight(self) -> torch.Tensor | GroupTable | LowBitTable:
         """The LM head's (vocab, hidden) float weight: the embeddings when they are tied (a table in
         groups: its rows, dequantised as they are read)."""
         head = self.embed_tokens if self.cfg.tie_embeddings else self.lm_head
-        if isinstance(head, GroupEmbedding | GroupLinear):
+        if isinstance(head, GroupEmbedding | GroupLinear | LowBitRows):
             return head.table()
         if not isinstance(head, nn.Embedding | nn.Linear):
             raise TypeError("an int8 model's LM head has no float weight")
@@ -514,7 +515,7 @@ class Decoder(nn.Module):
         """The LM head alone on normed hidden states: (T, hidden) -> (T, vocab) in the compute dtype."""
         if not self.cfg.tie_embeddings:
             return cast(torch.Tensor, self.lm_head(x))
-        if isinstance(self.embed_tokens, Int8Embedding | GroupEmbedding):  # its own head (w8a8's, groups' too)
+        if isinstance(self.embed_tokens, Int8Embedding | GroupEmbedding | LowBitEmbedding):  # its own head
             return self.embed_tokens.linear(x)
         return F.linear(x, self.embed_tokens.weight)
 

@@ -20,6 +20,12 @@
   int8 at every row count, prefill included. Norms, attention, the residual stream and the KV stay
   float32.
 
+- `lowbit`: the checkpoint's own quantisation groups as `groups` reads them, held packed at 4 bits a
+  weight (Q4_0, Q4_1, Q4_K) or 8 (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, and weights without blocks, quantised
+  to 8-bit groups of 32), with their float32 scales and offsets (`lowbit.py`). Decoding steps' products
+  (at most `lowbit.KERNEL_ROWS` rows) run on kvfuse's own kernel, input rows rounded to int8 per block of
+  32 (llama.cpp's Q8_0 activations); a prefill's dequantise the weight into a reused buffer and run in
+  float32. The LM head too: no float copy of any weight is kept.
 - `groups`: the checkpoint's own quantisation groups (`groups.py`): a GGUF's blocks (Q8_0, Q4_0/1,
   Q5_0/1, Q4_K, Q5_K, Q6_K) held exactly as int8 values with a float32 scale (and offset) per group of
   16 or 32 inputs, other weights quantised to 8-bit groups of 32. Products dequantise a slice of rows
@@ -48,7 +54,7 @@ if TYPE_CHECKING:  # torch is imported where a model is converted: the CLI reads
     from kvfuse.model import Decoder
     from kvfuse.quant import Rows
 
-PRECISIONS = ("fp32", "bf16", "int8", "w8a8", "groups")
+PRECISIONS = ("fp32", "bf16", "int8", "w8a8", "groups", "lowbit")
 # the oracle every other precision is measured against, and the library's default (`Engine.load`,
 # `load_model`); the CLI's default follows the CPU (`default_precision`)
 DEFAULT_PRECISION = "fp32"
@@ -73,7 +79,8 @@ def default_precision() -> str:
 
 
 # every precision rounds from a float32 checkpoint
-LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32", "groups": "float32"}
+LOAD_DTYPE = {"fp32": "float32", "bf16": "float32", "int8": "float32", "w8a8": "float32", "groups": "float32",
+              "lowbit": "float32"}
 
 
 def check(precision: str) -> str:
@@ -88,6 +95,13 @@ def check(precision: str) -> str:
 
         if not w8a8.available():
             raise ValueError("precision w8a8 needs PyTorch's FBGEMM int8 engine (x86 builds), which this one lacks")
+    if precision == "lowbit":
+        from kvfuse import lowbit
+
+        try:
+            lowbit.library()
+        except lowbit.KernelUnavailable as e:
+            raise ValueError(f"precision lowbit: {e}") from None
     return precision
 
 
@@ -95,7 +109,8 @@ def check(precision: str) -> str:
 # activations were bfloat16 before "int8-f32"; bf16's were before "bf16-f32", its prefill attention
 # float32 before "-a16", its prefill MLP's activation in float32 after the product before "-g16", its keys
 # and values float32 before "-k16")
-TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16-k16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups"}
+TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16-k16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups",
+        "lowbit": "-lowbit"}
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:
@@ -122,41 +137,51 @@ def reads_blocks(precision: str, part: str) -> bool:
     (`checkpoints.checkpoint_blocks`): every part in groups, and bf16's embedding table, which bf16 keeps
     in float32 and a GGUF holds in Q8_0 groups that dequantise to it bit for bit (a quarter of the
     memory, the same lookups and head; `convert`)."""
-    return precision == "groups" or (precision == "bf16" and part == "embed_tokens")
+    return precision in ("groups", "lowbit") or (precision == "bf16" and part == "embed_tokens")
 
 
 def by_rows(cfg: ModelConfig, part: str, precision: str) -> bool:
     """Whether this part is converted from its weight's rows, read a block at a time (`convert_rows`),
     rather than loaded whole: int8's tied table. Gemma 3's is 671 MB in float32 against 168 MB in int8,
     and reading it whole would add the float table to an int8 load's peak memory."""
-    return precision in ("int8", "w8a8", "groups") and part == "embed_tokens" and cfg.tie_embeddings
+    return precision in ("int8", "w8a8", "groups", "lowbit") and part == "embed_tokens" and cfg.tie_embeddings
 
 
 def convert_rows(model: Decoder, part: str, rows: Rows, precision: str = "int8",
-                 blocks: Mapping[str, Groups] | None = None) -> None:
-    """Put the converted part of `by_rows` in the model, from its weight's rows (`groups`: from the
-    checkpoint's own blocks where `blocks` has them)."""
+                 blocks: Mapping[str, list[Groups]] | None = None) -> None:
+    """Put the converted part of `by_rows` in the model, from its weight's rows (`groups`, `lowbit`: from
+    the checkpoint's own blocks where `blocks` has them)."""
     from kvfuse.groups import GroupEmbedding, quantize
     from kvfuse.quant import Int8Embedding
     from kvfuse.w8a8 import W8A8Embedding
 
-    if precision == "groups":
+    if precision in ("groups", "lowbit"):
         own = (blocks or {}).get(f"{part}.weight")
-        setattr(model, part, GroupEmbedding(own if own is not None else quantize(rows)))
+        g = own[0] if own else quantize(rows)
+        if precision == "lowbit":
+            from kvfuse.lowbit import LowBitEmbedding, from_groups
+
+            setattr(model, part, LowBitEmbedding(from_groups(g)))
+        else:
+            setattr(model, part, GroupEmbedding(g))
         return
     setattr(model, part, W8A8Embedding(rows) if precision == "w8a8" else Int8Embedding(rows))
 
 
-def _to_groups(module: nn.Module, part: str, blocks: Mapping[str, Groups]) -> nn.Module:
-    """A part's linears as `GroupLinear`s: the checkpoint's own blocks where `blocks` has them
-    (`<part>.<path>.weight`), else quantised to 8-bit groups."""
+def _to_groups(module: nn.Module, part: str, blocks: Mapping[str, list[Groups]], precision: str) -> nn.Module:
+    """A part's linears as `GroupLinear`s (`lowbit`: `LowBitLinear`s): the checkpoint's own blocks where
+    `blocks` has them (`<part>.<path>.weight`: q, k and v's of a stacked projection, one after another),
+    else quantised to 8-bit groups."""
     from torch import nn
 
-    from kvfuse.groups import GroupLinear, quantize
+    from kvfuse.groups import GroupLinear, quantize, stack
+    from kvfuse.lowbit import LowBitLinear, from_groups
 
-    def grouped(path: str, lin: nn.Linear) -> GroupLinear:
-        own = blocks.get(f"{path}.weight")
-        return GroupLinear(own if own is not None else quantize(lin.weight), lin.bias)
+    def grouped(path: str, lin: nn.Linear) -> nn.Module:
+        own = blocks.get(f"{path}.weight") or [quantize(lin.weight)]
+        if precision == "lowbit":
+            return LowBitLinear([from_groups(g) for g in own], lin.bias)
+        return GroupLinear(stack(own) if len(own) > 1 else own[0], lin.bias)
 
     if isinstance(module, nn.Linear):
         return grouped(part, module)
@@ -167,7 +192,7 @@ def _to_groups(module: nn.Module, part: str, blocks: Mapping[str, Groups]) -> nn
     return module
 
 
-def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Groups] | None = None) -> None:
+def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, list[Groups]] | None = None) -> None:
     """Convert one part of a float model (`parts`) to the precision, in place.
 
     - fp32: the part in float32; a layer's linears prepacked (`_pack`).
@@ -203,20 +228,20 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, Grou
             setattr(parent, attr, W8A8Linear(module))
         else:
             _replace_linears(module, lambda name, lin: W8A8Linear(lin, q_rows if name == "qkv_proj" else ()))
-    elif precision == "groups":
+    elif precision in ("groups", "lowbit"):
         if isinstance(module, nn.Linear) or part.startswith("layers."):
-            setattr(parent, attr, _to_groups(module, part, blocks or {}))
+            setattr(parent, attr, _to_groups(module, part, blocks or {}, precision))
     elif part == "embed_tokens" and blocks and f"{part}.weight" in blocks and module.weight.device.type == "cpu":
         from kvfuse.groups import GroupEmbedding
 
-        setattr(model, part, GroupEmbedding(blocks[f"{part}.weight"]))
+        setattr(model, part, GroupEmbedding(blocks[f"{part}.weight"][0]))
     elif part.startswith("layers."):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         _pack(module.float(), model.block(0).self_attn.q_size, dtype)
         if precision == "bf16" and next(module.parameters()).device.type == "cpu":
             model.attention_dtype = dtype  # a prefill's attention products in bfloat16 too (`Decoder.attend`)
     module = getattr(parent, attr).float()  # int8: the scales stay in the kernel's dtype (`Int8Rows`)
-    if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8", "groups"):
+    if part not in ("embed_tokens", "lm_head") or precision in ("int8", "w8a8", "groups", "lowbit"):
         for m in module.modules():
             for p in m.parameters(recurse=False):
                 p.data = p.data.clone()
@@ -227,10 +252,13 @@ def of(model: Decoder) -> str:
     import torch
 
     from kvfuse.groups import GroupLinear
+    from kvfuse.lowbit import LowBitRows
     from kvfuse.packed import PackedLinear
     from kvfuse.quant import Int8Embedding, Int8Linear
     from kvfuse.w8a8 import W8A8Embedding, W8A8Linear
 
+    if any(isinstance(m, LowBitRows) for m in model.modules()):
+        return "lowbit"
     if any(isinstance(m, GroupLinear) for m in model.modules()):
         return "groups"
     if any(isinstance(m, W8A8Linear | W8A8Embedding) for m in model.modules()):
@@ -243,7 +271,7 @@ def of(model: Decoder) -> str:
 
 def rounding(model: Decoder) -> torch.dtype:
     """The coarsest dtype the model's computation rounds to: bfloat16 for bf16, and for int8 (its
-    kernel reads its input in bfloat16) and w8a8 (8-bit activation rows, about bfloat16's step); float32
+    kernel reads its input in bfloat16), w8a8 and lowbit (8-bit activation rows, about bfloat16's step); float32
     for fp32 and groups (float32 products of its dequantised weights)."""
     import torch
 

@@ -46,8 +46,8 @@ def check_device(device: str | torch.device, precision: str = DEFAULT_PRECISION)
         raise UnsupportedDeviceError("device meta holds no data; use cpu or an accelerator such as cuda")
     if dev.type == "cpu":
         return dev
-    if precision in ("int8", "w8a8"):
-        raise UnsupportedDeviceError(f"precision {precision} runs on the CPU only (torch's x86 int8 kernels); "
+    if precision in ("int8", "w8a8", "lowbit"):
+        raise UnsupportedDeviceError(f"precision {precision} runs on the CPU only (x86 int8 kernels); "
                                      f"on {dev} use fp32 or bf16")
     backend = getattr(torch, dev.type, None)
     available = getattr(backend, "is_available", None)
@@ -111,19 +111,18 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
                        precision=precision)
 
 
-def _stacked_blocks(blocks: BlockFile | None, part: str) -> dict[str, Groups]:
-    """A part's blocks under the model's names: q, k and v (gate and up) stacked where all are there."""
-    from kvfuse.groups import stack
-
-    mine: dict[str, Groups] = {}
+def _stacked_blocks(blocks: BlockFile | None, part: str) -> dict[str, list[Groups]]:
+    """A part's blocks under the model's names, each weight's in a list: q, k and v's (gate and up's)
+    one after another under the stacked name, where all are there."""
+    mine: dict[str, list[Groups]] = {}
     if blocks is not None:
         for name in blocks.names(part):
             if (g := blocks.get(name)) is not None:
-                mine[name] = g
+                mine[name] = [g]
     for ours, theirs in STACKED.items():
         names = [f"{part}.{t}.weight" for t in theirs]
         if all(n in mine for n in names):
-            mine[f"{part}.{ours}.weight"] = stack([mine.pop(n) for n in names])
+            mine[f"{part}.{ours}.weight"] = [g for n in names for g in mine.pop(n)]
     return mine
 
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvfuse"
 LAYERS: list[tuple[str, ...]] = [
     ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.jsonfile", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader",
      "kvfuse.metrics",
-     "kvfuse.quant", "kvfuse.groups", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
+     "kvfuse.quant", "kvfuse.groups", "kvfuse.lowbit", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
      "kvfuse.precision", "kvfuse.checkpoints", "kvfuse.weights",
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.policy"),

@@ -45,6 +45,7 @@ from kvfuse import w8a8
 from kvfuse.engine.sampling import SamplingParams, adjusted
 from kvfuse.groups import GroupTable
 from kvfuse.heap import return_freed_memory
+from kvfuse.lowbit import LowBitTable
 from kvfuse.quant import QUANT_ROWS, dequantize, int8_matmul, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def default_screen() -> str | None:
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor | GroupTable, kernel: str = "int8pack") -> None:
+    def __init__(self, weight: torch.Tensor | GroupTable | LowBitTable, kernel: str = "int8pack") -> None:
         if kernel not in SCREENS:
             raise ValueError(f"unknown screen kernel {kernel!r}; choose one of {', '.join(SCREENS)}")
         self.weight = weight  # (vocab, hidden): the exact head, read only for candidates
@@ -94,7 +95,7 @@ class GreedyHead:
             self.q = self.q.new_empty((0, self.q.shape[1]))  # not a view of none, which would hold them all
 
     @classmethod
-    def build(cls, weight: torch.Tensor | GroupTable, kernel: str | None = None) -> GreedyHead | None:
+    def build(cls, weight: torch.Tensor | GroupTable | LowBitTable, kernel: str | None = None) -> GreedyHead | None:
         """The screen for a (vocab, hidden) head (on `kernel`, else the best one here), or None where this
         PyTorch cannot run one."""
         kernel = kernel or default_screen()
