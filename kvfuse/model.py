@@ -96,7 +96,8 @@ STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_
 def stack_checkpoint(state: dict[str, torch.Tensor]) -> None:
     """Rename a checkpoint's per-layer weights (`layers.N.self_attn.q_proj.weight`, ...) to this model's
     stacked ones, in place."""
-    for name in [n for n in state if n.endswith("self_attn.q_proj.weight") or n.endswith("mlp.gate_proj.weight")]:
+    for name in [n for n in state if n.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                                                  "mlp.gate_proj.weight"))]:
         layer = name[: name.index(".self_attn.") if ".self_attn." in name else name.index(".mlp.")]
         for ours, theirs in STACKED.items():
             for kind in ("weight", "bias"):

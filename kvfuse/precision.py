@@ -151,21 +151,23 @@ def convert_rows(model: Decoder, part: str, rows: Rows, precision: str = "int8",
                  blocks: Mapping[str, list[Groups]] | None = None) -> None:
     """Put the converted part of `by_rows` in the model, from its weight's rows (`groups`, `lowbit`: from
     the checkpoint's own blocks where `blocks` has them)."""
-    from kvfuse.groups import GroupEmbedding, quantize
+    from kvfuse.groups import quantize
     from kvfuse.quant import Int8Embedding
     from kvfuse.w8a8 import W8A8Embedding
 
     if precision in ("groups", "lowbit"):
         own = (blocks or {}).get(f"{part}.weight")
-        g = own[0] if own else quantize(rows)
-        if precision == "lowbit":
-            from kvfuse.lowbit import LowBitEmbedding, from_groups
-
-            setattr(model, part, LowBitEmbedding(from_groups(g)))
-        else:
-            setattr(model, part, GroupEmbedding(g))
+        setattr(model, part, _table(own[0] if own else quantize(rows), precision))
         return
     setattr(model, part, W8A8Embedding(rows) if precision == "w8a8" else Int8Embedding(rows))
+
+
+def _table(g: Groups, precision: str) -> nn.Module:
+    """An embedding table in groups (`groups`) or packed low-bit groups (`lowbit`)."""
+    from kvfuse.groups import GroupEmbedding
+    from kvfuse.lowbit import LowBitEmbedding, from_groups
+
+    return LowBitEmbedding(from_groups(g)) if precision == "lowbit" else GroupEmbedding(g)
 
 
 def _to_groups(module: nn.Module, part: str, blocks: Mapping[str, list[Groups]], precision: str) -> nn.Module:
@@ -229,7 +231,9 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, list
         else:
             _replace_linears(module, lambda name, lin: W8A8Linear(lin, q_rows if name == "qkv_proj" else ()))
     elif precision in ("groups", "lowbit"):
-        if isinstance(module, nn.Linear) or part.startswith("layers."):
+        if part == "embed_tokens" and blocks and f"{part}.weight" in blocks:  # an untied table in its blocks
+            setattr(parent, attr, _table(blocks[f"{part}.weight"][0], precision))
+        elif isinstance(module, nn.Linear) or part.startswith("layers."):
             setattr(parent, attr, _to_groups(module, part, blocks or {}, precision))
     elif part == "embed_tokens" and blocks and f"{part}.weight" in blocks and module.weight.device.type == "cpu":
         from kvfuse.groups import GroupEmbedding

@@ -8,11 +8,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvfuse.checkpoints import BlockFile, FileRows, checkpoint_blocks, resolve_model_path
+from kvfuse.checkpoints import FileRows, resolve_model_path
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError
 from kvfuse.heap import return_freed_memory
 from kvfuse.model import STACKED, Decoder, stack_checkpoint
@@ -23,6 +23,7 @@ from kvfuse.precision import parts as precision_parts
 
 if TYPE_CHECKING:
     from kvfuse.groups import Groups
+    from kvfuse.quant import Rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,42 +63,41 @@ def check_device(device: str | torch.device, precision: str = DEFAULT_PRECISION)
 
 def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFAULT_PRECISION,
                device: str | torch.device = "cpu") -> LoadedModel:
-    """Load a local HF checkpoint (config.json + safetensors) into a Decoder in eval mode, at a precision
-    (`precision.PRECISIONS`), fingerprinted with it, on a device (the CPU, or an accelerator torch
-    knows: each part is moved there before it is converted, so nothing CPU-only is built for it)."""
+    """Load a checkpoint (a GGUF's, read as it is, or a local HF one: config.json + safetensors) into a
+    Decoder in eval mode, at a precision (`precision.PRECISIONS`), fingerprinted with it, on a device
+    (the CPU, or an accelerator torch knows: each part is moved there before it is converted, so nothing
+    CPU-only is built for it). One part is read at a time: the peak is the loaded model and one part."""
     dtype = load_dtype(precision)
     dev = check_device(device, precision)
 
     root = resolve_model_path(path)
     cfg = ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{root} has no *.safetensors weights")
     with torch.device("meta"):
         model = Decoder(cfg)
-    index = _tensor_index(files)
-    if cfg.tie_embeddings:
-        index.pop("lm_head.weight", None)
+    source = open_source(root, cfg, list(model.state_dict()))
+    names = source.names()
+    if cfg.tie_embeddings and "lm_head.weight" in names:
+        names.remove("lm_head.weight")
     expected = set(model.state_dict())
-    names = set(_stacked_names(index))
-    missing, unexpected = expected - names, names - expected
+    stacked = set(_stacked_names(names))
+    missing, unexpected = expected - stacked, stacked - expected
     if missing:
         raise CheckpointError(f"{root}: missing tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
-    blocks = checkpoint_blocks(root, index, cfg) if reads_blocks(precision, "embed_tokens") else None
-    # one part at a time (`precision.parts`), each read from a mapping of the file that closes once the
-    # part is converted: an int8 model never holds the float checkpoint's pages all at once
     for part in precision_parts(cfg):
-        own = _stacked_blocks(blocks, part) if reads_blocks(precision, part) else {}
+        own = _stacked_blocks(source, part) if reads_blocks(precision, part) else {}
         if by_rows(cfg, part, precision):
-            convert_rows(model, part, FileRows(*index[f"{part}.weight"], dtype), precision, own)
+            convert_rows(model, part, source.rows(f"{part}.weight", dtype), precision, own)
             return_freed_memory()
             continue
-        state = _read_part(index, part, dtype)
+        state = source.read_part(part, dtype, skip=set(own) if precision in ("groups", "lowbit") else set())
         stack_checkpoint(state)
         module = model.get_submodule(part)
-        module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
+        if own:  # weights held as their blocks: no float copy is read, the linear is made on the meta device
+            module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True, strict=False)
+        else:
+            module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
         if dev.type != "cpu":
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
@@ -107,22 +107,133 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         # the depth, where given back after each part it stays near the largest part
         return_freed_memory()
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(fingerprint(root, files), precision),
+    return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(source.fingerprint(), precision),
                        precision=precision)
 
 
-def _stacked_blocks(blocks: BlockFile | None, part: str) -> dict[str, list[Groups]]:
+class Source(Protocol):
+    """Where a checkpoint's tensors are read from, under our names (unstacked), a part at a time."""
+
+    def names(self) -> list[str]: ...
+
+    def read_part(self, part: str, dtype: torch.dtype, skip: set[str]) -> dict[str, torch.Tensor]:
+        """The tensors of one model part (`embed_tokens`, `layers.3`, ...) in dtype, but those in skip
+        (weights the precision builds from their blocks: stacked names skip their parts)."""
+        ...
+
+    def rows(self, name: str, dtype: torch.dtype) -> Rows: ...
+
+    def blocks(self, name: str) -> Groups | None:
+        """A weight's own quantised blocks, where the checkpoint holds them."""
+        ...
+
+    def fingerprint(self) -> str: ...
+
+
+def open_source(root: Path, cfg: ModelConfig, stacked_names: list[str]) -> Source:
+    """A GGUF's checkpoint (`checkpoints.gguf_of`) reads the GGUF itself; any other reads its safetensors."""
+    from kvfuse.checkpoints import gguf_of
+
+    gguf = gguf_of(root)
+    if gguf is not None:
+        return GGUFSource(root, gguf, cfg, _unstacked(stacked_names))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root} has no *.safetensors weights")
+    return SafetensorsSource(root, files)
+
+
+def _unstacked(names: list[str]) -> list[str]:
+    """The checkpoint's names of the model's stacked weights (q, k and v's for qkv_proj; its lm_head too)."""
+    out = ["lm_head.weight"]
+    for n in names:
+        for ours, theirs in STACKED.items():
+            if f".{ours}." in n:
+                out += [n.replace(ours, t) for t in theirs]
+                break
+        else:
+            out.append(n)
+    return out
+
+
+def _skipped(name: str, skip: set[str]) -> bool:
+    for ours, theirs in STACKED.items():
+        for t in theirs:
+            if f".{t}." in name and name.replace(t, ours) in skip:
+                return True
+    return name in skip
+
+
+class SafetensorsSource:
+    """A local HF checkpoint's safetensors files (no blocks)."""
+
+    def __init__(self, root: Path, files: list[Path]) -> None:
+        self.root, self.files = root, files
+        self.index = _tensor_index(files)
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def read_part(self, part: str, dtype: torch.dtype, skip: set[str]) -> dict[str, torch.Tensor]:
+        return _read_part(self.index, part, dtype)
+
+    def rows(self, name: str, dtype: torch.dtype) -> Rows:
+        return FileRows(*self.index[name], dtype)
+
+    def blocks(self, name: str) -> Groups | None:
+        return None
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.root, self.files)
+
+
+class GGUFSource:
+    """A GGUF read as it is (`gguffile.GGUFTensors`): floats dequantised a tensor at a time, blocks as
+    groups; fingerprinted by its config and the GGUF's content key."""
+
+    def __init__(self, root: Path, file: Path, cfg: ModelConfig, names: list[str]) -> None:
+        from kvfuse.gguffile import GGUFTensors
+
+        self.root, self.file = root, file
+        self.tensors = GGUFTensors(file, cfg, names)
+
+    def names(self) -> list[str]:
+        return self.tensors.names()
+
+    def read_part(self, part: str, dtype: torch.dtype, skip: set[str]) -> dict[str, torch.Tensor]:
+        mine = [n for n in self.tensors.names() if (n == part or n.startswith(part + ".")) and not _skipped(n, skip)]
+        return {n: self.tensors.float(n).to(dtype) for n in mine}
+
+    def rows(self, name: str, dtype: torch.dtype) -> Rows:
+        from kvfuse.gguffile import GGUFRows
+
+        return GGUFRows(self.tensors, name)
+
+    def blocks(self, name: str) -> Groups | None:
+        return self.tensors.groups(name) if name in self.tensors.tensors else None
+
+    def fingerprint(self) -> str:
+        from kvfuse.checkpoints import gguf_key
+
+        config = (self.root / "config.json").read_bytes()
+        return hashlib.sha256(config + b"gguf:" + gguf_key(self.file).encode()).hexdigest()
+
+
+def _stacked_blocks(source: Source, part: str) -> dict[str, list[Groups]]:
     """A part's blocks under the model's names, each weight's in a list: q, k and v's (gate and up's)
     one after another under the stacked name, where all are there."""
     mine: dict[str, list[Groups]] = {}
-    if blocks is not None:
-        for name in blocks.names(part):
-            if (g := blocks.get(name)) is not None:
+    for name in source.names():
+        if (name == f"{part}.weight" or name.startswith(part + ".")) and name.endswith(".weight"):
+            if (g := source.blocks(name)) is not None:
                 mine[name] = [g]
     for ours, theirs in STACKED.items():
         names = [f"{part}.{t}.weight" for t in theirs]
         if all(n in mine for n in names):
             mine[f"{part}.{ours}.weight"] = [g for n in names for g in mine.pop(n)]
+        else:
+            for n in names:
+                mine.pop(n, None)  # a stacked weight is built from its blocks whole or not at all
     return mine
 
 
@@ -138,9 +249,9 @@ def _tensor_index(files: list[Path]) -> dict[str, tuple[Path, str]]:
     return index
 
 
-def _stacked_names(index: dict[str, tuple[Path, str]]) -> list[str]:
-    """The model's names for the indexed tensors, once stacked (`stack_checkpoint`)."""
-    state = {name: torch.empty(0) for name in index}  # not meta: its cat would import torch._dynamo (1.6 s)
+def _stacked_names(names: list[str]) -> list[str]:
+    """The model's names for the checkpoint's tensors, once stacked (`stack_checkpoint`)."""
+    state = {name: torch.empty(0) for name in names}  # not meta: its cat would import torch._dynamo (1.6 s)
     stack_checkpoint(state)
     return list(state)
 

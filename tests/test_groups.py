@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ggufs import write_tiny_gguf
 
 from kvfuse import groups, precision
-from kvfuse.checkpoints import BLOCKS_FILE, resolve_model_path
+from kvfuse.checkpoints import gguf_of, resolve_model_path
 from kvfuse.engine import Engine
 from kvfuse.engine.sampling import SamplingParams
 from kvfuse.metrics import kl_divergence
@@ -84,18 +84,12 @@ def test_groups_holds_a_ggufs_blocks_exactly(tmp_path, monkeypatch, family: str)
     write_tiny_gguf(file, family, quant=QUANT)
     root = resolve_model_path(file)
     loaded, fp32 = load_model(root, "groups"), load_model(root, "fp32")
-    assert (root / BLOCKS_FILE).is_file() and loaded.fingerprint == fp32.fingerprint + "-groups"
+    assert gguf_of(root) is not None and loaded.fingerprint == fp32.fingerprint + "-groups"
     model = loaded.model
     assert precision.of(model) == "groups"
     linears = {n: m for n, m in model.named_modules() if isinstance(m, groups.GroupLinear)}
     assert len(linears) == 4 * model.cfg.num_layers + (0 if model.cfg.tie_embeddings else 1)
-    from safetensors.torch import load_file
-
-    from kvfuse.model import stack_checkpoint
-    from kvfuse.weights import _our_name
-
-    state = {_our_name(n): t for f in root.glob("*.safetensors") for n, t in load_file(f).items()}
-    stack_checkpoint(state)
+    state = fp32.model.state_dict()  # gguf's dequantisation, as transformers converts the file (test_gguf.py)
     for name, lin in linears.items():
         assert torch.equal(lin.groups.dequantize(), state[f"{name}.weight"]), name
     bf16 = load_model(root, "bf16").model  # bf16's float32 table: the same values, held as its groups
@@ -121,7 +115,7 @@ def test_groups_holds_a_ggufs_blocks_exactly(tmp_path, monkeypatch, family: str)
 def test_groups_quantises_a_checkpoint_without_blocks(tiny_models) -> None:  # type: ignore[no-untyped-def]
     root = tiny_models["qwen3"][0]
     model, fp32 = load_model(root, "groups").model, load_model(root, "fp32").model
-    assert not (root / BLOCKS_FILE).exists()  # nothing to read blocks from: 8-bit groups of 32
+    assert gguf_of(root) is None  # nothing to read blocks from: 8-bit groups of 32
     linears = [m for m in model.modules() if isinstance(m, groups.GroupLinear)]
     assert linears and all(m.offset is None and m.values.abs().max() == 127 for m in linears)
     ids = torch.tensor([1, 5, 9, 12, 30, 2, 7])
