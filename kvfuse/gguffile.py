@@ -126,6 +126,9 @@ def read_bytes(file: Path, info: TensorInfo, rows: slice | None = None) -> np.nd
     return out
 
 
+BLOCK_ROWS = 4096  # rows of a weight's blocks decoded at a time
+
+
 class GGUFTensors:
     """The tensors of a GGUF by our checkpoint names (`layers.0.self_attn.q_proj.weight`, ...): each read,
     dequantised or as groups, only when asked for; nothing is read at opening but the header."""
@@ -180,18 +183,35 @@ class GGUFTensors:
         return torch.from_numpy(np.ascontiguousarray(w))
 
     def groups(self, name: str) -> Groups | None:
-        """A 2-D weight's own blocks as groups (`groups.from_blocks`), or None for a type they do not hold."""
-        from kvfuse.groups import BLOCKS, from_blocks
+        """A 2-D weight's own blocks as groups (`groups.from_blocks`), or None for a type they do not hold;
+        decoded `BLOCK_ROWS` rows at a time into the whole's arrays (a table's decoding temporaries would
+        otherwise be several times its size)."""
+        from kvfuse.groups import BLOCKS, Groups, from_blocks
 
         t = self.tensors[name]
         shape = self.shape(name)
-        if len(shape) != 2:
+        if len(shape) != 2 or t.type_name not in BLOCKS:
             return None
-        if t.type_name not in BLOCKS:
-            return None
-        g = from_blocks(t.type_name, read_bytes(self.file, t), shape[0], shape[1])
+        rows, cols = shape
+
+        def block(lo: int) -> Groups:
+            g = from_blocks(t.type_name, read_bytes(self.file, t, slice(lo, lo + BLOCK_ROWS)),
+                            min(BLOCK_ROWS, rows - lo), cols)
+            assert g is not None
+            return g
+
+        first = block(0)
+        per_row = first.scale.shape[1]
+        g = Groups(torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, per_row),
+                   None if first.offset is None else torch.empty(rows, per_row), first.size)
+        for lo in range(0, rows, BLOCK_ROWS):
+            part = first if lo == 0 else block(lo)
+            g.values[lo : lo + BLOCK_ROWS] = part.values
+            g.scale[lo : lo + BLOCK_ROWS] = part.scale
+            if g.offset is not None and part.offset is not None:
+                g.offset[lo : lo + BLOCK_ROWS] = part.offset
         order = self._row_order(name)
-        return g if g is None or order is None else g.rows(torch.from_numpy(order))
+        return g if order is None else g.rows(torch.from_numpy(order))
 
 
 class GGUFRows:

@@ -288,6 +288,7 @@ class LowBitRows(nn.Module):
         for i, p in enumerate(parts):
             for name in ("data", "scale", "offset"):
                 self.register_buffer(f"part{i}_{name}", getattr(p, name))
+            self.register_buffer(f"part{i}_shift", None if p.shift is p.offset else p.shift)
         self.bounds = tuple(itertools.accumulate((p.shape[0] for p in parts), initial=0))
 
     @property

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvfuse import converted
 from kvfuse.checkpoints import FileRows, resolve_model_path
 from kvfuse.config import CheckpointError, ModelConfig, UnsupportedDeviceError
 from kvfuse.heap import return_freed_memory
@@ -85,6 +86,10 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         raise CheckpointError(f"{root}: missing tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
     if unexpected:
         raise CheckpointError(f"{root}: tensors this config does not use: {sorted(unexpected)[:5]}")
+    fp = precision_fingerprint(source.fingerprint(), precision)
+    keeps = precision == "lowbit" and isinstance(source, GGUFSource)  # its packing is kept (`converted`)
+    if keeps and (kept := converted.load(root, cfg, fp)) is not None:
+        return LoadedModel(model=kept, path=root, fingerprint=fp, precision=precision)
     for part in precision_parts(cfg):
         own = _stacked_blocks(source, part) if reads_blocks(precision, part) else {}
         if by_rows(cfg, part, precision):
@@ -107,8 +112,9 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         # the depth, where given back after each part it stays near the largest part
         return_freed_memory()
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, path=root, fingerprint=precision_fingerprint(source.fingerprint(), precision),
-                       precision=precision)
+    if keeps:
+        converted.save(model, root, fp)
+    return LoadedModel(model=model, path=root, fingerprint=fp, precision=precision)
 
 
 class Source(Protocol):

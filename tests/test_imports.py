@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvfuse.defaults", "kvfuse.config", "kvfuse.heap", "kvfuse.jsonfile", "kvfuse.rope", "kvfuse.kv", "kvfuse.loader",
      "kvfuse.metrics",
      "kvfuse.quant", "kvfuse.groups", "kvfuse.lowbit", "kvfuse.w8a8", "kvfuse.packed", "kvfuse.model", "kvfuse.drafts",
-     "kvfuse.precision", "kvfuse.gguffile", "kvfuse.checkpoints", "kvfuse.weights",
+     "kvfuse.precision", "kvfuse.gguffile", "kvfuse.checkpoints", "kvfuse.mapped", "kvfuse.converted", "kvfuse.weights",
      "kvfuse.store"),
     ("kvfuse.request", "kvfuse.policy"),
     ("kvfuse.fuse",),

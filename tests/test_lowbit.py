@@ -129,3 +129,31 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
     assert float(kl_divergence(want[-1], few[-1])) < 1e-3
     with torch.inference_mode():
         assert batch_limit(model, 6) == 6
+
+
+def test_a_second_load_maps_the_converted_model(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The first load packs the GGUF's blocks and keeps the converted model beside the checkpoint; the
+    next maps it without reading a block, and computes the same."""
+    from kvfuse import converted
+    from kvfuse.gguffile import GGUFTensors
+
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    file = tmp_path / "llama.gguf"
+    write_tiny_gguf(file, "llama", quant=QUANT)
+    root = resolve_model_path(file)
+    first = load_model(root, "lowbit")
+    assert converted.file_for(root).is_file()
+
+    def no_blocks(*args: object) -> None:
+        raise AssertionError("read the GGUF's blocks again")
+
+    monkeypatch.setattr(GGUFTensors, "groups", no_blocks)
+    second = load_model(root, "lowbit")
+    assert second.fingerprint == first.fingerprint and precision.of(second.model) == "lowbit"
+    ids = torch.tensor([5, 77, 200, 9, 33, 100, 4, 250, 17, 64] * 3)
+    with torch.inference_mode():
+        for n in (4, 30):  # the kernel's rows, and a prefill's
+            assert torch.equal(second.model(ids[:n]), first.model(ids[:n]))
+    monkeypatch.setattr(converted, "LAYOUT", converted.LAYOUT + 1)  # another layout: packed again
+    with pytest.raises(AssertionError, match="blocks again"):
+        load_model(root, "lowbit")

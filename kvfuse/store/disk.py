@@ -16,13 +16,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import mmap
 import os
-import struct
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import cast
 import torch
 
 from kvfuse.kv import KVCache, Residual
+from kvfuse.mapped import map_safetensors
 from kvfuse.store.base import CorruptEntryError, TierSettings, TierStats, register_tier
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
 from kvfuse.store.lru import LruIndex
@@ -306,9 +304,6 @@ class DiskTier:
                 yield key, str(e)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-
-
 class DiskEntry:
     """An open entry: metadata verified, layers read (and checksum-verified) one at a time.
 
@@ -376,25 +371,11 @@ class DiskEntry:
 
 
 def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Read-only tensor views of a safetensors file, mapped into memory (no copy)."""
-    with open(path, "rb") as fh:
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    (n,) = struct.unpack("<Q", mm[:8])
-    header = json.loads(mm[8 : 8 + n])
-    base, out = 8 + n, {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": these views are never written
-        for name, spec in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = spec["data_offsets"]
-            if base + end > len(mm):
-                raise CorruptEntryError(f"{path.name}: shorter than its header says")
-            dtype = _DTYPES[spec["dtype"]]
-            count = (end - start) // dtype.itemsize
-            flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0)
-            out[name] = flat.to(dtype).view(spec["shape"])
-    return out
+    """Read-only tensor views of a safetensors file, mapped into memory (no copy: `mapped`)."""
+    try:
+        return map_safetensors(path)[0]
+    except ValueError as e:
+        raise CorruptEntryError(str(e)) from None
 
 
 @register_tier("disk")

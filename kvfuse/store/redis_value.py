@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from kvfuse.kv import KVCache, Residual
+from kvfuse.mapped import DTYPES
 from kvfuse.store.base import CorruptEntryError
-from kvfuse.store.disk import _DTYPES, _digest
+from kvfuse.store.disk import _digest
 from kvfuse.store.keys import CACHE_FORMAT_VERSION, CacheKey, dtype_name
 
 MAGIC = b"KVFR"
 FIRST_READ = 16 << 10  # the first GETRANGE: the header and, for most entries, the positions
-_DTYPE_BY_NAME = {dtype_name(d): d for d in _DTYPES.values()}
+_DTYPE_BY_NAME = {dtype_name(d): d for d in DTYPES.values()}
 RangeReader = Callable[[int, int], bytes]  # (start, end inclusive) -> those bytes of the value
 
 
