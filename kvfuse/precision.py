@@ -25,7 +25,8 @@
   to 8-bit groups of 32), with their float32 scales and offsets (`lowbit.py`). Decoding steps' products
   (at most `lowbit.KERNEL_ROWS` rows) run on kvfuse's own kernel, input rows rounded to int8 per block of
   32 (llama.cpp's Q8_0 activations); a prefill's dequantise the weight into a reused buffer and run in
-  float32. The LM head too: no float copy of any weight is kept.
+  bfloat16 on CPUs with bfloat16 hardware (as bf16's prefill), else float32. The LM head too: no float
+  copy of any weight is kept.
 - `groups`: the checkpoint's own quantisation groups (`groups.py`): a GGUF's blocks (Q8_0, Q4_0/1,
   Q5_0/1, Q4_K, Q5_K, Q6_K) held exactly as int8 values with a float32 scale (and offset) per group of
   16 or 32 inputs, other weights quantised to 8-bit groups of 32. Products dequantise a slice of rows
@@ -110,7 +111,7 @@ def check(precision: str) -> str:
 # float32 before "-a16", its prefill MLP's activation in float32 after the product before "-g16", its keys
 # and values float32 before "-k16")
 TAGS = {"fp32": "", "bf16": "-bf16-f32-a16-g16-k16", "int8": "-int8-f32", "w8a8": "-w8a8", "groups": "-groups",
-        "lowbit": "-lowbit"}
+        "lowbit": "-lowbit" + ("-p16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "")}  # `lowbit.bf16_prefill`
 
 
 def fingerprint(checkpoint: str, precision: str) -> str:

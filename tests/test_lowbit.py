@@ -67,14 +67,24 @@ def test_a_batched_row_equals_the_row_alone(bits: int, size: int, offset: bool, 
         assert torch.equal(lowbit.matmul(x[i : i + 1], packed)[0], together[i]), i
 
 
-def test_parts_share_one_output_and_many_rows_run_fp32s_arithmetic() -> None:
+@pytest.mark.parametrize("bf16", [False, True])
+def test_parts_share_one_output_and_many_rows_run_a_float_product(monkeypatch, bf16: bool) -> None:  # type: ignore[no-untyped-def]
+    """Few rows of a stacked weight's parts on the kernel, into one output; more rows on the weight
+    dequantised into a buffer: float32's product, or bfloat16's on CPUs with bfloat16 hardware (its
+    weights rounded to nearest, as torch rounds them)."""
+    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: bf16)
     q, wq = _weight(4, 32, True, False, rows=40, seed=5)
     v, wv = _weight(8, 16, False, True, rows=24, seed=6)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7))
     both = lowbit.linear(x, [q, v])
     assert torch.equal(both, torch.cat([lowbit.matmul(x, q), lowbit.matmul(x, v)], -1))
     many = torch.randn(lowbit.KERNEL_ROWS + 1, 256, generator=torch.Generator().manual_seed(8))
-    assert torch.equal(lowbit.linear(many, [q, v]), torch.cat([F.linear(many, wq), F.linear(many, wv)], -1))
+    if bf16:
+        assert torch.equal(lowbit._dequantized(q, 0, 40), wq.bfloat16())
+        want = torch.cat([F.linear(many.bfloat16(), w.bfloat16()).float() for w in (wq, wv)], -1)
+    else:
+        want = torch.cat([F.linear(many, wq), F.linear(many, wv)], -1)
+    assert torch.equal(lowbit.linear(many, [q, v]), want)
 
 
 @pytest.mark.parametrize("kind", sorted(groups.BLOCKS))
@@ -114,7 +124,7 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
     root = resolve_model_path(file)
     loaded, fp32 = load_model(root, "lowbit"), load_model(root, "fp32")
     model = loaded.model
-    assert precision.of(model) == "lowbit" and loaded.fingerprint == fp32.fingerprint + "-lowbit"
+    assert precision.of(model) == "lowbit" and loaded.fingerprint == fp32.fingerprint + precision.TAGS["lowbit"]
     linears = {n: m for n, m in model.named_modules() if isinstance(m, lowbit.LowBitLinear)}
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     qkv = linears["layers.0.self_attn.qkv_proj"]
@@ -123,6 +133,7 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
     for name, lin in linears.items():
         assert torch.equal(lin.dequantize(), fp_state[f"{name}.weight"]), name
     ids = torch.tensor([5, 77, 200, 9, 33, 100, 4, 250, 17, 64] * 3)
+    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: False)
     with torch.inference_mode():
         assert torch.equal(model(ids), fp32.model(ids))  # more rows than the kernel takes: fp32's products
         few, want = model(ids[:6]), fp32.model(ids[:6])

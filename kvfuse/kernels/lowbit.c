@@ -16,6 +16,7 @@
  * after the sign trick), and AVX-512 VNNI or AVX-VNNI (vpdpbusd, summed in int32), both 256 bits wide.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -150,27 +151,56 @@ void lb_matmul(int64_t R, int64_t K, const int8_t *xq, const float *a, const flo
     }
 }
 
-/* the float32 weight (N, K): s * (q - zero) + o per group (exactly as a GGUF's dequantisation), rows n0 .. n1;
- * `offset` here is the format's own (none for Q4_0, whose zero is 8), not the kernel's */
+/* row n of the float32 weight: s * (q - zero) + o per group (exactly as a GGUF's dequantisation; `offset`
+ * here is the format's own, none for Q4_0, whose zero is 8, not the kernel's) */
+static void dequantize_row(const uint8_t *w, int bits, int G, int zero, const float *scale, const float *offset,
+                           int64_t K, int64_t n, float *o) {
+    const int64_t groups = K / G;
+    const float *s = scale + n * groups;
+    const float *off = offset ? offset + n * groups : 0;
+    if (bits == 8) {
+        const int8_t *q = (const int8_t *)w + n * K;
+        for (int64_t g = 0; g < groups; g++)
+            for (int i = 0; i < G; i++) o[g * G + i] = (float)q[g * G + i] * s[g];
+    } else {
+        const uint8_t *q = w + n * (K / 2);
+        for (int64_t run = 0; run < K / 64; run++) {
+            const uint8_t *b = q + run * 32;
+            const float s0 = s[2 * run], s1 = s[2 * run + 1];
+            for (int j = 0; j < 32; j++) {
+                o[run * 64 + j] = (float)((int)(b[j] & 0x0F) - zero) * s0;
+                o[run * 64 + 32 + j] = (float)((int)(b[j] >> 4) - zero) * s1;
+            }
+        }
+    }
+    if (off)
+        for (int64_t g = 0; g < groups; g++)
+            for (int i = 0; i < G; i++) o[g * G + i] = o[g * G + i] + off[g];
+}
+
+/* rows n0 .. n1 of the float32 weight into out ((n1 - n0), K) */
 void lb_dequantize(const uint8_t *w, int bits, int G, int zero, const float *scale, const float *offset,
                    int64_t N, int64_t K, int64_t n0, int64_t n1, float *out) {
-    const int64_t groups = K / G;
+    (void)N;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++) dequantize_row(w, bits, G, zero, scale, offset, K, n, out + (n - n0) * K);
+}
+
+/* the same rows rounded to bfloat16 (to nearest, ties to even) into out ((n1 - n0), K) uint16: a
+ * prefill's products on CPUs with bfloat16 hardware */
+void lb_dequantize_bf16(const uint8_t *w, int bits, int G, int zero, const float *scale, const float *offset,
+                        int64_t N, int64_t K, int64_t n0, int64_t n1, uint16_t *out, float *scratch) {
+    (void)N;
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
-        float *o = out + (n - n0) * K;
-        const float *s = scale + n * groups;
-        const float *off = offset ? offset + n * groups : 0;
+        float *row = scratch + (int64_t)omp_get_thread_num() * K;
+        dequantize_row(w, bits, G, zero, scale, offset, K, n, row);
+        uint16_t *o = out + (n - n0) * K;
         for (int64_t k = 0; k < K; k++) {
-            float q;
-            if (bits == 8) {
-                q = (float)((const int8_t *)w)[n * K + k];
-            } else {
-                int64_t run = k / 64, j = k % 64;
-                uint8_t byte = w[n * (K / 2) + run * 32 + (j % 32)];
-                q = (float)((j < 32 ? (byte & 0x0F) : (byte >> 4)) - zero);
-            }
-            float v = q * s[k / G];
-            o[k] = off ? v + off[k / G] : v;
+            uint32_t b;
+            memcpy(&b, &row[k], 4);
+            b += 0x7FFFu + ((b >> 16) & 1u);
+            o[k] = (uint16_t)(b >> 16);
         }
     }
 }
