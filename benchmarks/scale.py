@@ -14,9 +14,10 @@ real time and memory. The answers are noise; what is timed is not.
 
 A run measures, for each size, kvfuse (one precision) and llama.cpp on the same file, 2 threads each,
 the same token ids, each engine in a worker process of its own (so each peak RSS is its own):
-- **load**: from the process's start to a model ready to answer, `--rounds` fresh processes each,
-  interleaved; kvfuse's first start (a fresh cache dir: the GGUF's metadata read into a checkpoint dir,
-  the kernel built) once, then warm starts;
+- **load**: the load call (kvfuse `Engine.load`, llama.cpp `Llama(...)`) and the whole start (from the
+  process's start, imports included, to a model ready to answer), `--load-rounds` fresh processes
+  each, interleaved; kvfuse's first start (a fresh cache dir: the GGUF's metadata read into a
+  checkpoint dir, the kernel built, the blocks packed and kept) once, then second starts;
 - **prefill**: a full prefill of 2,048 tokens (kvfuse `full` mode's TTFT; llama.cpp `eval` after a reset);
 - **answer**: a question on a cached 2,048-token prefix and a 24-token greedy answer (kvfuse `prefix`
   mode from the stored prefix; llama.cpp rolls back to the kept prefix, as its server's prompt cache
@@ -158,8 +159,9 @@ from kvfuse.engine import Engine
 from kvfuse.engine.sampling import SamplingParams
 from kvfuse.fuse import DEFAULT_MODE
 from kvfuse.request import Request
+t = time.time()
 e = Engine.load(sys.argv[1], precision=sys.argv[2], draft_tokens=0)
-print(json.dumps({"ready": time.time() - start}), flush=True)
+print(json.dumps({"ready": time.time() - start, "load": time.time() - t}), flush=True)
 one = SamplingParams(max_tokens=1)
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -191,9 +193,10 @@ LLAMA_WORKER = r'''
 import json, resource, sys, time
 start = float(sys.argv[2])
 from llama_cpp import Llama
+t = time.time()
 llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[3]), n_threads=2, n_threads_batch=2, n_batch=512,
             verbose=False)
-print(json.dumps({"ready": time.time() - start}), flush=True)
+print(json.dumps({"ready": time.time() - start, "load": time.time() - t}), flush=True)
 kept = 0
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -227,7 +230,8 @@ class Worker:
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.ready = float(self._read()["ready"])
+        started = self._read()
+        self.ready, self.load = float(started["ready"]), float(started["load"])
         self.rss = 0
 
     def _read(self) -> dict:  # type: ignore[type-arg]
@@ -274,19 +278,20 @@ def measure(size: str, precision: str, rounds: int, load_rounds: int) -> dict:  
 
     # load: a first start (a fresh cache dir), then warm starts, interleaved with llama.cpp's
     first = kvfuse_worker(gguf, precision, cache)
-    res["kvfuse_first_load_s"] = first.ready
+    res["kvfuse_first_start_s"], res["kvfuse_first_load_s"] = first.ready, first.load
     first.close()
-    loads: dict[str, list[float]] = {"kvfuse": [], "llama.cpp": []}
+    loads: dict[str, list[float]] = {"kvfuse start": [], "llama.cpp start": [], "kvfuse load": [],
+                                     "llama.cpp load": []}
     for _ in range(load_rounds):
-        w = kvfuse_worker(gguf, precision, cache)
-        loads["kvfuse"].append(w.ready)
-        w.close()
-        w = llama_worker(gguf)
-        loads["llama.cpp"].append(w.ready)
-        w.close()
+        for name, make in (("kvfuse", lambda: kvfuse_worker(gguf, precision, cache)), ("llama.cpp", lambda: llama_worker(gguf))):
+            w = make()
+            loads[f"{name} start"].append(w.ready)
+            loads[f"{name} load"].append(w.load)
+            w.close()
     res["load_s"] = medians(loads)
-    res["load_ratio"] = median_ratio(loads["kvfuse"], loads["llama.cpp"])
-    print(f"{size}: load {res['load_s']}, first {res['kvfuse_first_load_s']:.1f} s", flush=True)
+    res["load_ratio"] = median_ratio(loads["kvfuse load"], loads["llama.cpp load"])
+    res["start_ratio"] = median_ratio(loads["kvfuse start"], loads["llama.cpp start"])
+    print(f"{size}: second starts {res['load_s']}, first {res['kvfuse_first_start_s']:.1f} s", flush=True)
 
     os.environ["KVFUSE_CACHE_DIR"] = str(cache)
     tok = Tokenizer(resolve_model_path(gguf))
@@ -330,7 +335,7 @@ def measure(size: str, precision: str, rounds: int, load_rounds: int) -> dict:  
     res["ratios"] = {m: median_ratio(times[f"kvfuse {m}"], times[f"llama.cpp {m}"])
                      for m in ("prefill", "answer", "step", "rag")}
     res["ratios"]["peak_rss"] = res["kvfuse_peak_rss"] / res["llama_peak_rss"]
-    res["ratios"]["load"] = res["load_ratio"]
+    res["ratios"]["load"], res["ratios"]["start"] = res["load_ratio"], res["start_ratio"]
     res["rag_tokens"], res["rounds"] = len(rag_ids), rounds
     return res
 

@@ -43,6 +43,10 @@ DECODES = ("none", "few", "many")  # how much a loaded engine will decode (`Engi
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class _NotKept(Exception):
+    """A failed self-check, which is not kept."""
+
+
 def on_model_device(fn: F) -> F:
     """Run an Engine method with the model's device as the default for new tensors (`torch.device` as a
     context), so that the engine's code names no device. On the CPU nothing is entered: the mode costs
@@ -98,6 +102,32 @@ class Engine:
     def _self_check(self) -> str | None:
         return check_fusion(self.model, self.preamble, self._rotate)
 
+    def _kept_self_check(self) -> str | None:
+        """`_self_check`'s answer for a model loaded from a checkpoint: where it passed before for this
+        fingerprint, preamble, software and machine (kept in the cache dir, as the batch check's), it is
+        not run again (on a 1B model it is a few forward passes: seconds of every start); a failure is
+        never kept, so its message is always the model's own."""
+        import hashlib
+
+        from kvfuse.checkpoints import kept_check
+        from kvfuse.defaults import cpu_flags
+
+        parts = (self.fingerprint, tuple(self.preamble), torch.__version__, sorted(cpu_flags()), self.model.device.type)
+        key = hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+        found: list[str | None] = []
+
+        def run() -> int:
+            found.append(self._self_check())
+            if found[0] is not None:
+                raise _NotKept
+            return 1
+
+        try:
+            kept_check("self-checks", key, run)
+        except _NotKept:
+            pass
+        return found[0] if found else None
+
     @classmethod
     def load(
         cls, path: str | Path | None = None, store_dir: str | Path | None = None, precision: str = "fp32",
@@ -132,7 +162,12 @@ class Engine:
             keys = vocab_keys(resolve_model_path(path))
         loaded = load_model(path, precision, device)
         store = open_store(store_dir, loaded.fingerprint, capacity=capacity, remote=remote)
-        engine = cls(loaded.model, loaded.fingerprint, store=store, **kwargs)  # type: ignore[arg-type]
+        check = bool(kwargs.pop("self_check", True))
+        engine = cls(loaded.model, loaded.fingerprint, store=store, self_check=False, **kwargs)  # type: ignore[arg-type]
+        if check:  # a checkpoint's model: the check's answer is kept per model, software and machine
+            engine.blend_error = engine._kept_self_check()
+            if engine.blend_error:
+                log.warning("%s", engine.blend_error)
         engine.scheduler.draft_keys = None if keys is None else cover(keys, engine.cfg.vocab_size)
         engine.scheduler.screen_kernel = BRIEF_SCREEN if decodes == "few" else None
         engine.scheduler.batch_key = loaded.fingerprint  # the batch check's answer is kept per model (and machine)
