@@ -283,8 +283,8 @@ def measure(size: str, precision: str, rounds: int, load_rounds: int) -> dict:  
     loads: dict[str, list[float]] = {"kvfuse start": [], "llama.cpp start": [], "kvfuse load": [],
                                      "llama.cpp load": []}
     for _ in range(load_rounds):
-        for name, make in (("kvfuse", lambda: kvfuse_worker(gguf, precision, cache)), ("llama.cpp", lambda: llama_worker(gguf))):
-            w = make()
+        for name in ("kvfuse", "llama.cpp"):
+            w = kvfuse_worker(gguf, precision, cache) if name == "kvfuse" else llama_worker(gguf)
             loads[f"{name} start"].append(w.ready)
             loads[f"{name} load"].append(w.load)
             w.close()
