@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kvfuse.config import ModelConfig
-from kvfuse.lowbit import LowBitEmbedding, LowBitLinear, LowBitRows, Packed
+from kvfuse.lowbit import LowBitEmbedding, LowBitLinear, LowBitRows, Packed, attention_dtype
 from kvfuse.mapped import map_safetensors
 from kvfuse.model import Decoder
 
@@ -86,4 +86,5 @@ def load(root: Path, cfg: ModelConfig, fingerprint: str) -> Decoder | None:
             return None
     except (OSError, ValueError, KeyError, TypeError, RuntimeError):
         return None
+    model.attention_dtype = attention_dtype()  # as `precision.convert` sets it
     return model.eval().requires_grad_(False)

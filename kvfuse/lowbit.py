@@ -207,6 +207,12 @@ def bf16_prefill() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def attention_dtype() -> torch.dtype | None:
+    """A lowbit model's `Decoder.attention_dtype`: bfloat16 where its prefill's products are (keys and
+    values rounded to it as computed, prefill attention in it, caches stored in it, as bf16's), else none."""
+    return torch.bfloat16 if bf16_prefill() else None
+
+
 def _dequantized(w: Packed, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of the weight in this thread's reused buffer: bfloat16 where `bf16_prefill`, else float32."""
     if not bf16_prefill():

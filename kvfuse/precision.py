@@ -25,7 +25,8 @@
   to 8-bit groups of 32), with their float32 scales and offsets (`lowbit.py`). Decoding steps' products
   (at most `lowbit.KERNEL_ROWS` rows) run on kvfuse's own kernel, input rows rounded to int8 per block of
   32 (llama.cpp's Q8_0 activations); a prefill's dequantise the weight into a reused buffer and run in
-  bfloat16 on CPUs with bfloat16 hardware (as bf16's prefill), else float32. The LM head too: no float
+  bfloat16 on CPUs with bfloat16 hardware (as bf16's prefill, its attention, keys and values in
+  bfloat16 too: its caches are stored in half the bytes), else float32. The LM head too: no float
   copy of any weight is kept.
 - `groups`: the checkpoint's own quantisation groups (`groups.py`): a GGUF's blocks (Q8_0, Q4_0/1,
   Q5_0/1, Q4_K, Q5_K, Q6_K) held exactly as int8 values with a float32 scale (and offset) per group of
@@ -236,6 +237,10 @@ def convert(model: Decoder, part: str, precision: str, blocks: Mapping[str, list
             setattr(parent, attr, _table(blocks[f"{part}.weight"][0], precision))
         elif isinstance(module, nn.Linear) or part.startswith("layers."):
             setattr(parent, attr, _to_groups(module, part, blocks or {}, precision))
+        if precision == "lowbit":
+            from kvfuse.lowbit import attention_dtype
+
+            model.attention_dtype = attention_dtype()
     elif part == "embed_tokens" and blocks and f"{part}.weight" in blocks and module.weight.device.type == "cpu":
         from kvfuse.groups import GroupEmbedding
 

@@ -122,6 +122,7 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
     file = tmp_path / f"{family}.gguf"
     write_tiny_gguf(file, family, quant=QUANT)
     root = resolve_model_path(file)
+    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: False)  # float32 prefills (bfloat16's: below)
     loaded, fp32 = load_model(root, "lowbit"), load_model(root, "fp32")
     model = loaded.model
     assert precision.of(model) == "lowbit" and loaded.fingerprint == fp32.fingerprint + precision.TAGS["lowbit"]
@@ -133,13 +134,15 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
     for name, lin in linears.items():
         assert torch.equal(lin.dequantize(), fp_state[f"{name}.weight"]), name
     ids = torch.tensor([5, 77, 200, 9, 33, 100, 4, 250, 17, 64] * 3)
-    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: False)
     with torch.inference_mode():
         assert torch.equal(model(ids), fp32.model(ids))  # more rows than the kernel takes: fp32's products
         few, want = model(ids[:6]), fp32.model(ids[:6])
     assert float(kl_divergence(want[-1], few[-1])) < 1e-3
     with torch.inference_mode():
         assert batch_limit(model, 6) == 6
+    assert model.kv_dtype == torch.float32
+    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: True)  # bfloat16 prefills: keys and values too
+    assert load_model(root, "lowbit").model.kv_dtype == torch.bfloat16
 
 
 def test_a_second_load_maps_the_converted_model(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
