@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+MUSIQUE = Path(__file__).resolve().parents[1] / "data" / "musique_dev.json"  # in the repository (data/README.md)
 
 
 def cpu_name() -> str:

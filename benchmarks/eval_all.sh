@@ -2,7 +2,7 @@
 # The issue-C evaluation runs recorded in docs/benchmarks.md (about 1.5 h on 2 CPU cores, one after another).
 set -euo pipefail
 K=.venv/bin/kvfuse
-D=../shared/data/musique_dev.json
+D=data/musique_dev.json
 X=benchmarks/data/crosschunk_n60_s0.json
 O=${OUT:-docs/eval}
 if [ "${SKIP_MAIN:-0}" != 1 ]; then

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import FAMILIES, make_checkpoint  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MUSIQUE = Path(__file__).resolve().parents[1] / "data" / "musique_dev.json"  # in the repository (data/README.md)
 
 
 @pytest.fixture(scope="session")

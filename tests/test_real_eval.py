@@ -3,12 +3,11 @@
 import json
 
 import pytest
-from conftest import SHARED
+from conftest import MUSIQUE
 
 from kvfuse.cli import main
 
 pytestmark = pytest.mark.slow
-MUSIQUE = SHARED / "data" / "musique_dev.json"
 
 
 def test_eval_cli_end_to_end_on_two_cases(tmp_path, capsys) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED
+from conftest import MUSIQUE
 
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.drafts import propose
@@ -19,7 +19,6 @@ from kvfuse.precision import default_precision
 from kvfuse.text import Prompt, Tokenizer
 
 pytestmark = pytest.mark.slow
-MUSIQUE = SHARED / "data" / "musique_dev.json"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SHARED
+from conftest import MUSIQUE
 
 from kvfuse.server.process import serve_process
 
@@ -44,7 +44,7 @@ def test_openai_client_against_the_real_server(server) -> None:
 
 
 def test_second_identical_request_with_documents_is_cached_and_faster(server) -> None:
-    case = json.loads((SHARED / "data" / "musique_dev.json").read_text())[7]
+    case = json.loads(MUSIQUE.read_text())[7]
     body = {"model": "gemma3-270m", "prompt": f"Question: {case['question']}\nAnswer:", "max_tokens": 4,
             "temperature": 0, "documents": [{"text": c["text"]} for c in case["ctxs"][:4]]}
     with httpx.Client(base_url=server, headers={"Authorization": "Bearer sk-test-support"}, timeout=300) as h:
@@ -203,7 +203,7 @@ def test_a_served_prefill_runs_on_one_openmp_team_that_does_not_sleep_between_pr
     thread), GNU OpenMP's idle threads outnumber a 2-core machine's cores and sleep after every parallel
     region: a 6-passage RAG request then cost the process about 10,000 voluntary context switches
     (and a quarter of its time), against about 50 with one team."""
-    case = json.loads((SHARED / "data" / "musique_dev.json").read_text())[0]
+    case = json.loads(MUSIQUE.read_text())[0]
     body = {"model": "gemma3-270m", "prompt": f"Question: {case['question']}\nAnswer:", "max_tokens": 8,
             "temperature": 0, "documents": [{"text": c["text"]} for c in case["ctxs"][:6]]}
     q = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "How do I get a refund?"}],

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import SHARED
+from conftest import MUSIQUE
 
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
@@ -24,7 +24,7 @@ def smol():  # type: ignore[no-untyped-def]
 
 
 def _request(tok: Tokenizer, n_passages: int = 3):  # type: ignore[no-untyped-def]
-    case = json.loads((SHARED / "data" / "musique_dev.json").read_text())[2]
+    case = json.loads(MUSIQUE.read_text())[2]
     return Prompt(chunks=tuple(c["text"] for c in case["ctxs"][:n_passages]), question=case["question"]).request(tok)
 
 
