@@ -35,12 +35,13 @@ def read(path: str, flag: str) -> str:
 
 def model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a packaged model (gemma3-270m, smollm2-135m-instruct), a GGUF file "
-                                                 "(Llama, Mistral, Qwen2, Qwen3, Gemma 3; converted once) or a "
+                                                 "(Llama, Mistral, Qwen2, Qwen3, Gemma 3; read as it is) or a "
                                                  "local HF checkpoint dir (default: Gemma 3 270M)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=default_precision(),
                    help="weights: fp32, bf16 (bfloat16 products) or int8 (activations float32), w8a8 (int8 "
-                        "weights and activation rows), or groups (a GGUF's own quantised blocks, exactly; "
-                        "slower, a third of fp32's memory); the default is the fastest one as faithful as "
+                        "weights and activation rows), groups (a GGUF's own quantised blocks, exactly; "
+                        "slower, a third of fp32's memory), or lowbit (a GGUF's blocks at 4 or 8 bits on "
+                        "kvfuse's low-bit kernel: for 1B-8B models); the default is the fastest one as faithful as "
                         f"llama.cpp's Q4_K_M on this CPU (default: {default_precision()}); caches of different "
                         "precisions never mix")
     p.add_argument("--device", default="cpu",
