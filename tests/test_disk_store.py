@@ -180,3 +180,26 @@ def test_a_residual_stream_round_trips_and_is_verified(tmp_path: Path) -> None:
     with pytest.raises(CorruptEntryError, match="residual"):
         entry.residual_at(1)
     assert damaged.get("ee55") is None and damaged.corrupt == 1  # type: ignore[arg-type]
+
+
+def test_store_verify_exits_1_on_damage_and_drops_it_only_with_repair(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`kvfuse store verify` lists damaged entries and exits 1, so a script or a cron job notices; the
+    entries stay for a look until `--repair` drops them; a sound store exits 0."""
+    from kvfuse.cli.main import main
+
+    tier = DiskTier(tmp_path, model_fp="m1")
+    tier.put("aa11", _cache(seed=1))  # type: ignore[arg-type]
+    tier.put("bb22", _cache(seed=2))  # type: ignore[arg-type]
+    assert main(["store", "verify", "--store", str(tmp_path)]) == 0
+    _corrupt_flip(tier.info("bb22").path)  # type: ignore[arg-type,union-attr]
+    capsys.readouterr()
+    assert main(["store", "verify", "--store", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [c["key"] for c in report["corrupt"]] == ["bb22"] and report["ok"] == 1 and report["dropped"] == 0
+    assert "--repair" in err
+    assert "bb22" in DiskTier(tmp_path, model_fp="m1")  # still there
+    assert main(["store", "verify", "--repair", "--store", str(tmp_path)]) == 1
+    assert json.loads(capsys.readouterr()[0].strip().splitlines()[-1])["dropped"] == 1
+    assert "bb22" not in DiskTier(tmp_path, model_fp="m1")
+    assert main(["store", "verify", "--store", str(tmp_path)]) == 0

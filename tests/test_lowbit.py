@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from ggufs import write_tiny_gguf
+from ggufs import FAMILIES, write_tiny_gguf
 from test_groups import HALVES
 
 from kvfuse import groups, lowbit, precision
@@ -113,17 +113,32 @@ def test_a_ggufs_blocks_pack_and_dequantise_as_gguf_does(kind: str) -> None:
 QUANT = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_down": "Q5_1", "*": "Q4_0"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family: str) -> None:  # type: ignore[no-untyped-def]
     """Every linear (and a tied table) in the file's own blocks, 4-bit ones at 4 bits, dequantising to
-    fp32's weights bit for bit; a prefill is fp32's function exactly, a few rows' logits are close to
-    fp32's, and a batched decoding step equals its rows stepped alone."""
+    fp32's weights bit for bit, and never read as floats; a prefill is fp32's function exactly, a few
+    rows' logits are close to fp32's, and a batched decoding step equals its rows stepped alone."""
+    from kvfuse.gguffile import GGUFTensors
+
     monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
     file = tmp_path / f"{family}.gguf"
     write_tiny_gguf(file, family, quant=QUANT)
     root = resolve_model_path(file)
     monkeypatch.setattr(lowbit, "bf16_prefill", lambda: False)  # float32 prefills (bfloat16's: below)
-    loaded, fp32 = load_model(root, "lowbit"), load_model(root, "fp32")
+    floats: list[str] = []
+    real_float = GGUFTensors.float
+
+    def spy(self: GGUFTensors, name: str, rows: slice | None = None) -> torch.Tensor:
+        floats.append(name)
+        return real_float(self, name, rows)
+
+    monkeypatch.setattr(GGUFTensors, "float", spy)
+    loaded = load_model(root, "lowbit")
+    assert floats and all(n.endswith(("norm.weight", ".bias")) for n in floats), floats  # no weight's float copy
+    monkeypatch.undo()
+    monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(lowbit, "bf16_prefill", lambda: False)
+    fp32 = load_model(root, "fp32")
     model = loaded.model
     assert precision.of(model) == "lowbit" and loaded.fingerprint == fp32.fingerprint + precision.TAGS["lowbit"]
     linears = {n: m for n, m in model.named_modules() if isinstance(m, lowbit.LowBitLinear)}

@@ -589,3 +589,22 @@ def test_response_format_is_checked_before_it_queues(srv) -> None:
         ok = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                   "response_format": {"type": "text"}, "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_loose_types_and_a_body_that_is_not_utf8_get_a_400_that_says_what_to_fix(srv) -> None:
+    """Types are strict, as OpenAI's API: a string where an integer or a boolean goes is refused, naming
+    the field; a body that is not UTF-8 is refused saying so and where; an integer is still a number."""
+    with client(srv) as h:
+        for body, field in (({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+                            ({"prompt": "hi", "max_tokens": 1, "stream": "yes"}, "stream"),
+                            ({"prompt": "hi", "max_tokens": 1, "kvfuse": {"quote": "true"}}, "kvfuse.quote"),
+                            ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.0}, "max_tokens")):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = h.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == field, r.text
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "temperature": 0}).status_code == 200
+        raw = b'{"prompt": "caf\xe9", "max_tokens": 1}'
+        r = h.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("The request body is not UTF-8: byte 0xe9 at offset 15"), r.text

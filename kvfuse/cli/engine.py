@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     st = sub.add_parser("store", help="inspect or manage a KV store directory")
     st.add_argument("action", choices=["stats", "verify", "clear"])
+    st.add_argument("--repair", action="store_true",
+                    help="verify: drop the damaged entries it finds (it exits 1 whenever it finds any)")
     store_flag(st)
     st.set_defaults(func=cmd_store)
 
@@ -153,9 +155,17 @@ def cmd_store(args: argparse.Namespace) -> int:
         out: dict[str, Any] = {"store": str(root), "entries": len(tier), "bytes": tier.used_bytes,
                                "capacity_bytes": tier.capacity_bytes}
     elif args.action == "verify":
-        results = list(tier.verify())
+        results = list(tier.verify(repair=args.repair))
         bad = [{"key": k, "error": e} for k, e in results if e]
-        out = {"store": str(root), "checked": len(results), "ok": len(results) - len(bad), "corrupt": bad}
+        out = {"store": str(root), "checked": len(results), "ok": len(results) - len(bad), "corrupt": bad,
+               "dropped": len(bad) if args.repair else 0}
+        print(json.dumps(out))
+        if bad:  # a script or a cron job notices
+            hint = "dropped them" if args.repair else "run it again with --repair to drop them"
+            print(f"kvfuse: {len(bad)} damaged entr{'y' if len(bad) == 1 else 'ies'} in {root}; {hint}",
+                  file=sys.stderr)
+            return 1
+        return 0
     else:
         out = {"store": str(root), "removed": tier.clear()}
     print(json.dumps(out))

@@ -73,4 +73,17 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None))
+        detail = str(e.detail)
+        if e.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's words
+            detail = not_utf8(await request.body()) or detail
+        return JSONResponse(error_body(detail, kind), e.status_code, headers=getattr(e, "headers", None))
+
+
+def not_utf8(body: bytes) -> str | None:
+    """What is wrong with a body that is not UTF-8, and where; None if it is."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"The request body is not UTF-8: byte 0x{body[e.start]:02x} at offset {e.start} ({e.reason}); "
+                "send JSON encoded in UTF-8.")
+    return None

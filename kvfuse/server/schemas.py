@@ -33,7 +33,10 @@ def valid_unicode(v: Any) -> Any:
 
 
 class Body(BaseModel):
-    """A request body or a part of one: every field's strings are checked (`valid_unicode`)."""
+    """A request body or a part of one: every field's strings are checked (`valid_unicode`), and its
+    types are strict, as OpenAI's API: "5" is not an integer, "yes" not a boolean (an integer is a number)."""
+
+    model_config = ConfigDict(strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -74,7 +77,7 @@ class KvfuseOptions(Body):
         return v
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Body):
     include_usage: bool = False
 
 

@@ -289,18 +289,20 @@ class DiskTier:
             self._drop_file(info.path)
             self.stats.evictions += 1
 
-    def verify(self) -> Iterator[tuple[CacheKey, str | None]]:
-        """Check every entry fully; yields (key, error or None) and drops the corrupt ones."""
+    def verify(self, repair: bool = False) -> Iterator[tuple[CacheKey, str | None]]:
+        """Check every entry fully; yields (key, error or None), and drops the corrupt ones where `repair`
+        (else they stay for a look, and the next read drops them)."""
         for key in self.keys():
-            entry = self.open(key)
-            if entry is None:
-                yield key, "unreadable"
+            with self._lock:
+                info = self._index.get(key)
+            if info is None:
                 continue
             try:
-                entry.read_all()
+                DiskEntry(self, info).read_all()
                 yield key, None
             except CorruptEntryError as e:
-                self._corrupt(key, str(e))
+                if repair:
+                    self._corrupt(key, str(e))
                 yield key, str(e)
 
 
