@@ -116,8 +116,9 @@ QUANT = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family: str) -> None:  # type: ignore[no-untyped-def]
     """Every linear (and a tied table) in the file's own blocks, 4-bit ones at 4 bits, dequantising to
-    fp32's weights bit for bit, and never read as floats; a prefill is fp32's function exactly, a few
-    rows' logits are close to fp32's, and a batched decoding step equals its rows stepped alone."""
+    fp32's weights bit for bit, and never read as floats; a prefill is fp32's products of those weights
+    (to float32's rounding), a few rows' logits are close to fp32's, and a batched decoding step equals
+    its rows stepped alone."""
     from kvfuse.gguffile import GGUFTensors
 
     monkeypatch.setenv("KVFUSE_CACHE_DIR", str(tmp_path / "cache"))
@@ -150,8 +151,10 @@ def test_lowbit_holds_a_ggufs_blocks_at_their_bits(tmp_path, monkeypatch, family
         assert torch.equal(lin.dequantize(), fp_state[f"{name}.weight"]), name
     ids = torch.tensor([5, 77, 200, 9, 33, 100, 4, 250, 17, 64] * 3)
     with torch.inference_mode():
-        assert torch.equal(model(ids), fp32.model(ids))  # more rows than the kernel takes: fp32's products
+        many, want_many = model(ids), fp32.model(ids)  # more rows than the kernel takes: float32 products
         few, want = model(ids[:6]), fp32.model(ids[:6])
+    # the same weights in float32 (F.linear, where fp32 runs oneDNN's packed kernel: sums may round apart)
+    assert float((many - want_many).abs().max() / want_many.abs().max()) < 1e-5
     assert float(kl_divergence(want[-1], few[-1])) < 1e-3
     with torch.inference_mode():
         assert batch_limit(model, 6) == 6
