@@ -22,18 +22,23 @@ HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
           "Q6_K": [208]}
 
 
-@pytest.mark.parametrize("kind", sorted(groups.BLOCKS))
-def test_blocks_dequantise_as_gguf_dequantises_them(kind: str) -> None:
-    from gguf import GGMLQuantizationType, dequantize
-
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A (rows, bytes) tensor of random blocks of a GGUF type, its float16 fields finite."""
     nbytes, per, _ = groups.BLOCKS[kind]
-    rows, cols = 6, 2 * per
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
     for at in HALVES[kind]:
         halves = rng.normal(0, 0.05, size=(rows, cols // per)).astype(np.float16)
         data[:, :, at : at + 2] = halves[..., None].view(np.uint8)
-    raw = data.reshape(rows, -1)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(groups.BLOCKS))
+def test_blocks_dequantise_as_gguf_dequantises_them(kind: str) -> None:
+    from gguf import GGMLQuantizationType, dequantize
+
+    rows, cols = 6, 2 * groups.BLOCKS[kind][1]
+    raw = random_blocks(kind, rows, cols, seed=3)
     g = groups.from_blocks(kind, raw, rows, cols)
     assert g is not None and g.shape == (rows, cols) and g.values.dtype == torch.int8
     want = dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols).astype(np.float32)

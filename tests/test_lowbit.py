@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ggufs import FAMILIES, write_tiny_gguf
-from test_groups import HALVES
+from test_groups import random_blocks
 
 from kvfuse import groups, lowbit, precision
 from kvfuse.checkpoints import resolve_model_path
@@ -91,14 +91,9 @@ def test_parts_share_one_output_and_many_rows_run_a_float_product(monkeypatch, b
 def test_a_ggufs_blocks_pack_and_dequantise_as_gguf_does(kind: str) -> None:
     from gguf import GGMLQuantizationType, dequantize
 
-    nbytes, per, _ = groups.BLOCKS[kind]
+    per = groups.BLOCKS[kind][1]
     rows, cols = 6, 2 * per if per == 256 else 4 * per
-    rng = np.random.default_rng(5)
-    data = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-    for at in HALVES[kind]:
-        halves = rng.normal(0, 0.05, size=(rows, cols // per)).astype(np.float16)
-        data[:, :, at : at + 2] = halves[..., None].view(np.uint8)
-    raw = data.reshape(rows, -1)
+    raw = random_blocks(kind, rows, cols, seed=5)
     g = groups.from_blocks(kind, raw, rows, cols)
     assert g is not None
     packed = lowbit.from_groups(g)
