@@ -81,7 +81,11 @@ def main() -> None:
     req, req_prefix = p.request(tok), p.request(tok, prefix_mode=True)
     print(f"prompt: {len(req)} tokens ({args.passages} MuSiQue passages + question), torch threads "
           f"{torch.get_num_threads()}", flush=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    from kvfuse.checkpoints import gguf_of
+
+    gguf = gguf_of(path)  # transformers reads the GGUF the checkpoint dir names (or its safetensors)
+    where = {"gguf_file": gguf.name} if gguf is not None else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent if gguf else path), dtype=torch.float32, **where).eval()
     ids = torch.tensor([req.ids])
 
     def hf_ttft() -> float:

@@ -52,6 +52,19 @@ def engine_at(tiny_models):  # type: ignore[no-untyped-def]
     return get
 
 
+def hf_reference(path: Path) -> torch.nn.Module:
+    """transformers' own model of a checkpoint, in float32: read from its GGUF where it has one (the
+    oracle for our GGUF reading and model), else from its safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    from kvfuse.checkpoints import gguf_of
+
+    gguf = gguf_of(path)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
 def rand_ids(n: int, seed: int, vocab: int = 128, low: int = 3) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(int(x) for x in torch.randint(low, vocab, (n,), generator=g))

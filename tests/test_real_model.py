@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MUSIQUE
+from conftest import MUSIQUE, hf_reference
 
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.drafts import propose
@@ -39,10 +39,8 @@ _kl = kl_divergence
 
 
 def test_real_logits_match_hf(real) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
     engine, tok, path = real
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = hf_reference(path)
     ids = torch.tensor(_request(tok, _cases()[0], 2).ids[:700])  # longer than the 512-token window
     with torch.inference_mode():
         ours, ref = engine.model(ids), hf(ids[None]).logits[0]

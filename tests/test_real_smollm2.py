@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import MUSIQUE
+from conftest import MUSIQUE, hf_reference
 
 from kvfuse.checkpoints import resolve_model_path
 from kvfuse.engine import Engine
@@ -38,10 +38,8 @@ def test_smollm2_resolves_and_is_its_own_model(smol) -> None:  # type: ignore[no
 
 
 def test_smollm2_logits_match_transformers(smol) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
     engine, tok, path = smol
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = hf_reference(path)
     ids = torch.tensor(_request(tok, 2).ids[:600])
     with torch.inference_mode():
         ours, ref = engine.model(ids), hf(ids[None]).logits[0]
