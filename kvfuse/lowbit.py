@@ -6,7 +6,8 @@ offset of each group of 32 (16 for Q6_K) that `groups.from_blocks` reads, so `de
 GGUF's float weights bit for bit. Products:
 - few rows (a decoding step, drafts, a batch: at most `KERNEL_ROWS`): `lb_matmul`, each row rounded to
   int8 per block of 32 (llama.cpp's Q8_0 activations), integer dot products per group, scaled in
-  float32. It reads 0.56-0.63 bytes a weight for 4-bit groups (1.13-1.25 for 8-bit), not float32's 4.
+  float32. It reads 0.625-0.75 bytes a weight for 4-bit groups (a float32 scale, and an offset, per
+  32), 1.125-1.25 for 8-bit ones, not float32's 4.
 - more rows (a prefill): the weight dequantised into a reused buffer, `SLICE_ROWS` rows at a time,
   and multiplied by oneDNN: no second copy of the model. In bfloat16 (inputs and weights rounded,
   float32 sums, the product rounded) on CPUs with bfloat16 hardware (`bf16_prefill`), as precision
@@ -15,9 +16,10 @@ GGUF's float weights bit for bit. Products:
 The kernel is C with AVX2 intrinsics (and VNNI's vpdpbusd where the CPU has it), compiled on first use
 by the system's C compiler for this CPU's flags into the cache dir and loaded with ctypes; it runs its
 loop over output rows on torch's own OpenMP threads (the libgomp torch loads). No kept library ships
-such a kernel for x86 (docs/benchmarks.md, issue R: torchao 0.18's wheels carry no CPU kernels and
-its CPU int4 layout is torch's `_weight_int4pack_mm_for_cpu`, about ten times slower than memory speed
-here; FBGEMM takes one scale per row).
+such a kernel for x86 (docs/benchmarks.md, stop 60): torchao 0.18's wheels carry no CPU kernels and
+its CPU int4 layout is torch's `_weight_int4pack_mm_for_cpu`, which takes bfloat16 scales and zero
+points (a GGUF's float32 scales would be rounded) and is no faster at 1-2 rows; FBGEMM's int8 kernel
+takes one activation scale per row, which Gemma 3's outlier channels do not survive.
 """
 
 from __future__ import annotations
