@@ -12,6 +12,7 @@ into groups exactly (`groups`, `groups.from_blocks`), its rows put back in the s
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -84,7 +85,18 @@ def _value(fh: BinaryIO, kind: int, keep: bool) -> Any:
 
 def read_header(file: Path, keep: tuple[str, ...] = ()) -> Header:
     """The header of a GGUF (version 2 or 3), read with plain file reads: arrays are skipped (their
-    length kept) but for the fields named in `keep`. CheckpointError where it is not one."""
+    length kept) but for the fields named in `keep`. CheckpointError where it is not one. Read once per
+    file version in a process (a load asks for it twice: the architecture, then the tensors)."""
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    return _read_header(str(file), st.st_size, st.st_mtime_ns, keep)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(name: str, size: int, mtime_ns: int, keep: tuple[str, ...]) -> Header:
+    file = Path(name)
     try:
         with open(file, "rb") as fh:
             magic, version, n_tensors, n_fields = struct.unpack("<4sIQQ", fh.read(24))

@@ -99,10 +99,8 @@ def load_model(path: str | os.PathLike[str] | None = None, precision: str = DEFA
         state = source.read_part(part, dtype, skip=set(own) if precision in ("groups", "lowbit") else set())
         stack_checkpoint(state)
         module = model.get_submodule(part)
-        if own:  # weights held as their blocks: no float copy is read, the linear is made on the meta device
-            module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True, strict=False)
-        else:
-            module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True)
+        # weights held as their blocks are not read as floats: their linears stay on the meta device until converted
+        module.load_state_dict({n[len(part) + 1 :]: t for n, t in state.items()}, assign=True, strict=not own)
         if dev.type != "cpu":
             module.to(dev)
         state.clear()  # the model holds the tensors now: converting the part frees each one it replaces
